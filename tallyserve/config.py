@@ -1,0 +1,135 @@
+"""Engine configuration: validated user arguments, then frozen configs derived once by resolve()."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tallyserve.models.model_config import ModelConfig
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    enable_partial_reuse: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    args: "EngineArgs"
+
+
+def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+@dataclass
+class EngineArgs:
+    """Keyword arguments of `LLM(...)` and `--kebab-case` flags of the CLI; names follow vLLM."""
+
+    model: Optional[str] = None  # HF directory, .gguf file, dummy preset, or None / "bundled"
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_partial_reuse: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks_override: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: Optional[int] = None  # KV pool size on CPU (and on GPU, if given)
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def validate(self) -> None:
+        """Range checks that need no model: run before any weight is loaded."""
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _check_int("seed", self.seed, 0)
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("block_size", self.block_size, 1, 1024)
+        _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        _check_int("max_logprobs", self.max_logprobs, 0)
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
+        for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def resolve(self, model_config: ModelConfig, num_blocks: int) -> EngineConfig:
+        """Derive max_model_len and the token budget once; the result is frozen."""
+        model_max = model_config.max_position_embeddings
+        capacity = num_blocks * self.block_size
+        if self.max_model_len is not None:
+            if self.max_model_len > model_max:
+                raise ValueError(
+                    f"max_model_len ({self.max_model_len}) is larger than the model's "
+                    f"max_position_embeddings ({model_max})"
+                )
+            if self.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len ({self.max_model_len}) does not fit in the KV cache "
+                    f"({num_blocks} blocks x block_size {self.block_size} = {capacity} tokens); "
+                    "lower max_model_len or give the cache more memory"
+                )
+            max_model_len = self.max_model_len
+        else:
+            max_model_len = min(model_max, capacity)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max(max_model_len, 2048)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+                "when enable_chunked_prefill is False, or long prompts could never be scheduled"
+            )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, self.enable_partial_reuse),
+            scheduler_config=SchedulerConfig(budget, self.max_num_seqs, max_model_len, self.enable_chunked_prefill),
+            args=dataclasses.replace(self),
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]

@@ -1,0 +1,195 @@
+"""KVCacheManager: request-level block bookkeeping on top of the BlockPool.
+
+Prefix reuse follows ledger rule 2: `match_prefix` finds the hit (full cached blocks plus,
+with partial reuse, the cached block sharing the most leading tokens of the next block), and
+`allocate_slots` commits exactly that hit (pins the blocks, allocates the rest, queues the
+partial-block copy) atomically, before the scheduler charges a single token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tallyserve.core.block_pool import BlockPool, KVCacheBlock
+from tallyserve.core.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from tallyserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Copy the first `num_tokens` slots of block `src` into block `dst` before the forward pass."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    blocks: tuple[KVCacheBlock, ...] = ()  # full cached blocks, in order
+    num_full_tokens: int = 0
+    partial_src: Optional[KVCacheBlock] = None  # cached block whose leading tokens we reuse
+    num_partial_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_full_tokens + self.num_partial_tokens
+
+
+NO_HIT = PrefixHit()
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        enable_partial_reuse: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_partial_reuse = enable_prefix_caching and enable_partial_reuse
+        self.pool = BlockPool(num_blocks, PrefixCache() if enable_prefix_caching else None)
+        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
+        self._pending_copies: list[KVCopy] = []
+        self._copy_sources: list[KVCacheBlock] = []  # pinned until the step that copies them ran
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self._req_blocks.get(request_id, ()))
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ----------------------------------------------------------------- prefix
+    def _update_block_hashes(self, request: Request) -> None:
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+
+    def match_prefix(self, request: Request) -> PrefixHit:
+        """The longest reusable prefix of a waiting request. Pure: changes no block state.
+
+        Capped at num_tokens - 1 so the last token is always computed and yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        self._update_block_hashes(request)
+        bs, cache = self.block_size, self.pool.prefix_cache
+        max_hit = request.num_tokens - 1
+        blocks: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(request.block_hashes):
+            if (i + 1) * bs > max_hit:
+                break
+            block = cache.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_full = len(blocks) * bs
+        src, num_partial = None, 0
+        limit = min(bs, max_hit - num_full)
+        if self.enable_partial_reuse and limit > 0:
+            parent = request.block_hashes[len(blocks) - 1] if blocks else ROOT_HASH
+            src, num_partial = cache.match_partial(parent, request.all_token_ids[num_full:num_full + limit])
+        return PrefixHit(tuple(blocks), num_full, src, num_partial)
+
+    # ----------------------------------------------------------------- allocation
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[PrefixHit] = None) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens; commit `hit` on first admission.
+
+        All or nothing: False (and no state changed) when the pool cannot supply the blocks.
+        """
+        if hit is not None:
+            return self._admit(request, num_new_tokens, hit)
+        blocks = self._req_blocks.setdefault(request.request_id, [])
+        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
+        return True
+
+    def _admit(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
+        if request.request_id in self._req_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        need = self.num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
+        pinned = list(hit.blocks)
+        if hit.partial_src is not None:
+            pinned.append(hit.partial_src)
+        # Hit blocks still on the free queue are counted as free but must not be handed out.
+        evictable = sum(1 for b in set(pinned) if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - evictable:
+            return False
+        self.pool.touch(pinned)
+        new_blocks = self.pool.get_new_blocks(need)
+        if hit.partial_src is not None:
+            self._copy_sources.append(hit.partial_src)
+            self._pending_copies.append(KVCopy(hit.partial_src.block_id, new_blocks[0].block_id, hit.num_partial_tokens))
+        self._req_blocks[request.request_id] = list(hit.blocks) + new_blocks
+        self._num_cached_blocks[request.request_id] = len(hit.blocks)
+        return True
+
+    def take_copies(self) -> tuple[KVCopy, ...]:
+        """Partial-reuse copies queued since the last call (they go into the SchedulerOutput)."""
+        copies, self._pending_copies = tuple(self._pending_copies), []
+        return copies
+
+    def release_copy_sources(self) -> None:
+        """Unpin the sources of partial-block copies once the step that copied them has run."""
+        sources, self._copy_sources = self._copy_sources, []
+        self.pool.free_blocks(sources)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the request's full blocks whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        if blocks is None:
+            return
+        self._update_block_hashes(request)
+        start, end = self._num_cached_blocks.get(rid, 0), num_computed_tokens // self.block_size
+        bs, tokens = self.block_size, request.all_token_ids
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            self.pool.cache_block(blocks[i], request.block_hashes[i], parent, tokens[i * bs:(i + 1) * bs])
+        if end > start:
+            self._num_cached_blocks[rid] = end
+
+    def free(self, request: Request) -> None:
+        """Return a request's blocks; tail blocks first, so they are evicted before shared prefixes."""
+        blocks = self._req_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        """Pool integrity, and every reference is held by a request or a pinned copy source."""
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self._req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self._copy_sources:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} holders")

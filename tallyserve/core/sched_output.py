@@ -1,0 +1,48 @@
+"""SchedulerOutput: the one frozen contract from the scheduler to the runner (ledger rule 4).
+
+The batch builder, KV transfers and metrics all read this same object; nothing downstream
+mutates a Request. Results return through `Scheduler.update(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tallyserve.core.kv_cache_manager import KVCopy
+
+if TYPE_CHECKING:
+    from tallyserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]  # the input ids computed this step
+    start_position: int  # tokens already in the KV cache (positions start here)
+    block_ids: tuple[int, ...]  # the request's whole block table
+    sample: bool  # this step reaches the end of the sequence: sample a token from its last row
+    sampling_params: "SamplingParams"
+    num_output_tokens: int  # tokens generated so far (seeds and min_tokens depend on it)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step_id: int
+    requests: tuple[ScheduledRequest, ...]
+    total_tokens: int  # what the ledger charged: the sum of every request's num_tokens
+    kv_copies: tuple[KVCopy, ...] = ()  # partial-reuse block copies to run before the forward
+    preempted_request_ids: tuple[str, ...] = ()
+    max_num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)

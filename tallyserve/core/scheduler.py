@@ -1,0 +1,234 @@
+"""Scheduler: one token-budget loop. Running requests first, then waiting ones.
+
+Each request catches `num_computed_tokens` up to `num_tokens`; prefill, chunked prefill,
+decode, prefix reuse and preemption all fall out of that. Every token charged comes from
+`ledger.query_tokens` / `ledger.charge`, after the prefix hit has been committed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+from typing import Iterable, Optional
+
+from tallyserve.config import CacheConfig, SchedulerConfig
+from tallyserve.core import ledger
+from tallyserve.core.kv_cache_manager import KVCacheManager
+from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from tallyserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    forward_tokens: int = 0
+    ledger_violations: int = 0
+    step_errors: int = 0
+    prefix_hit_tokens: int = 0
+    partial_hit_tokens: int = 0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.kv = KVCacheManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.enable_partial_reuse,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._step_id = 0
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_model_len
+        if request.num_tokens >= limit:
+            raise ValueError(f"prompt has {request.num_tokens} tokens; max_model_len is {limit}, so it must be shorter")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        return self._build_output(scheduled, preempted)
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, int], preempted: list[Request]) -> int:
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = ledger.charge(ledger.query_tokens(req.num_tokens, req.num_computed_tokens), budget, chunked=True)
+            if n == 0:
+                idx += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = max(self.running, key=lambda r: r.sort_key)
+                if self.running.index(victim) < idx:
+                    idx -= 1
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = n
+                budget -= n
+                idx += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.match_prefix(req)
+            needed = ledger.query_tokens(req.num_tokens, hit.num_tokens)
+            n = ledger.charge(needed, budget, cfg.enable_chunked_prefill)
+            # Commit (pin + allocate) the exact hit the chunk was sized on, then charge.
+            if n == 0 or not self.kv.allocate_slots(req, n, hit):
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.stats.prefix_hit_tokens += hit.num_full_tokens
+            self.stats.partial_hit_tokens += hit.num_partial_tokens
+            scheduled[req.request_id] = n
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: blocks go back to the pool (full ones stay cached)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _build_output(self, scheduled: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+        entries = []
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            entries.append(
+                ScheduledRequest(
+                    request_id=rid,
+                    token_ids=tuple(req.all_token_ids[start:start + n]),
+                    start_position=start,
+                    block_ids=self.kv.block_ids(rid),
+                    sample=start + n == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+        total = sum(scheduled.values())
+        self._step_id += 1
+        if entries:
+            self.stats.steps += 1
+            self.stats.scheduled_tokens += total
+        return SchedulerOutput(
+            step_id=self._step_id,
+            requests=tuple(entries),
+            total_tokens=total,
+            kv_copies=self.kv.take_copies(),
+            preempted_request_ids=tuple(r.request_id for r in preempted),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+
+    # ----------------------------------------------------------------- results
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish stopped requests."""
+        finished = []
+        for entry in output.requests:
+            req = self.requests.get(entry.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += entry.num_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if not entry.sample:
+                continue
+            for token in sampled.get(entry.request_id, ()):
+                req.all_token_ids.append(token)
+                status = self._check_stop(req)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        self.kv.release_copy_sources()
+        if not self.requests:
+            self.kv.check_integrity()  # cheap while idle: free + cached + in use == total
+        return finished
+
+    def fail_step(self, output: SchedulerOutput, error: str) -> list[Request]:
+        """A step that could not run fails only its own requests; the loop goes on."""
+        failed = []
+        for entry in output.requests:
+            req = self.requests.get(entry.request_id)
+            if req is None or req.is_finished():
+                continue
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            failed.append(req)
+        self.kv.release_copy_sources()
+        return failed
+
+    def _check_stop(self, req: Request) -> Optional[RequestStatus]:
+        sp, last = req.sampling_params, req.all_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests from outside (client abort, stop string, error)."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]

@@ -1,0 +1,109 @@
+"""Request: the scheduler's record of one sequence.
+
+There is no phase in state: a request has `num_tokens` (prompt + output so far) and
+`num_computed_tokens` (tokens whose KV is in the cache); prefill and decode are derived.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from tallyserve.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence. Owned by the scheduler; the runner only ever sees a SchedulerOutput."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: "SamplingParams",
+        *,
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.arrival_seq = next(_arrival_counter)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: Optional[str] = None
+        # Chained hashes of the full blocks of all_token_ids (kept by the KV cache manager).
+        self.block_hashes: list[int] = []
+        # Prompt tokens served from the prefix cache at first admission (-1: not yet admitted).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower sorts first: priority, then arrival order (FCFS)."""
+        return (self.priority, self.arrival_seq)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

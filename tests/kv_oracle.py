@@ -1,0 +1,62 @@
+"""A model-free runner for scheduler tests: the KV cache holds token ids instead of tensors.
+
+It executes a SchedulerOutput the way the real runner does (partial-reuse copies, then writes at
+the slot mapping built by the real ForwardBatch builder) and, for every row, checks that the
+request's whole context is present in its blocks. The next token is a pure function of the
+context, so any cache mix-up changes the output and the reference comparison catches it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.runner.forward_batch import ForwardBatch
+
+VOCAB = 97
+
+
+def next_token(context: list[int]) -> int:
+    h = len(context)
+    for t in context[-4:]:
+        h = (h * 31 + t) % 1_000_003
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    ctx, out = list(prompt), []
+    while len(out) < max_tokens:
+        t = next_token(ctx)
+        ctx.append(t)
+        out.append(t)
+        if eos is not None and t == eos:
+            break
+    return out
+
+
+class OracleRunner:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.cache = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.steps = 0
+
+    def execute(self, so: SchedulerOutput, contexts: dict[str, list[int]]) -> tuple[ForwardBatch, dict[str, list[int]]]:
+        """Run one step. `contexts` maps request id -> all its tokens (for checking only)."""
+        bs = self.block_size
+        for c in so.kv_copies:
+            self.cache[c.dst * bs: c.dst * bs + c.num_tokens] = self.cache[c.src * bs: c.src * bs + c.num_tokens]
+        batch = ForwardBatch.build(so, bs, torch.device("cpu"))
+        self.cache[batch.attn_meta.slot_mapping.numpy()] = batch.input_ids.numpy()
+        sampled = {}
+        for entry in so.requests:
+            end = entry.start_position + entry.num_tokens
+            slots = [entry.block_ids[p // bs] * bs + p % bs for p in range(end)]
+            seen = self.cache[slots].tolist()
+            expected = contexts[entry.request_id][:end]
+            if seen != expected:
+                raise AssertionError(f"{entry.request_id}: KV holds {seen}, context is {expected}")
+            if entry.sample:
+                sampled[entry.request_id] = [next_token(seen)]
+        self.steps += 1
+        return batch, sampled
