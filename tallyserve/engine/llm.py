@@ -1,0 +1,86 @@
+"""LLM: the offline API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from tallyserve.config import EngineArgs
+from tallyserve.engine.llm_engine import LLMEngine, PromptType
+from tallyserve.outputs import RequestOutput
+from tallyserve.sampling_params import SamplingParams
+
+Params = Union[SamplingParams, Sequence[SamplingParams], None]
+
+
+class LLM:
+    """`LLM(model=...)`: a HF directory, a .gguf file, a dummy preset, or None for the bundled model."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: Params = None,
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]], sampling_params: Params = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it cannot apply a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("messages must not be empty")
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm, None)
+
+    def _run(self, prompts: list, sampling_params: Params, use_tqdm: bool,
+             priority: Optional[Sequence[int]]) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            engine.step()  # drain the aborted outputs
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts")
+        while len(results) < len(ids) and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()

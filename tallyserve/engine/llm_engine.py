@@ -1,0 +1,251 @@
+"""LLMEngine: add_request / abort_request / step(): schedule -> build -> run -> sample -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from tallyserve.config import EngineArgs
+from tallyserve.core import ledger
+from tallyserve.core.scheduler import Scheduler
+from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
+from tallyserve.models.loader import load_model, resolve_model
+from tallyserve.outputs import RequestOutput
+from tallyserve.attention.backend import get_attn_backend
+from tallyserve.request import Request, RequestStatus
+from tallyserve.runner.forward_batch import ForwardBatch
+from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, resolve_device, resolve_dtype
+from tallyserve.runner.sampler import Sampler
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict[str, Any]]
+TIMING_KEYS = ("schedule", "build", "forward", "sample", "update")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        resolved = resolve_model(args.model, args.load_format)
+        mc = resolved.model_config
+        if args.max_model_len is not None and args.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({args.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.served_model_name = args.served_model_name or resolved.served_name
+        self.tokenizer: Optional[Tokenizer] = load_tokenizer(args.tokenizer or resolved.tokenizer_dir)
+        torch.manual_seed(args.seed)
+        model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed, get_attn_backend("torch"))
+        num_blocks = determine_num_blocks(args, mc, self.device, self.dtype)
+        self.config = args.resolve(mc, num_blocks)
+        self.model_config = mc
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        self.scheduler = Scheduler(sc, cc)
+        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype)
+        self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(args.seed))
+        self.eos_token_ids = self._eos_ids()
+        self._parents: dict[str, ParentState] = {}
+        self._seqs: dict[str, SequenceState] = {}
+        self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
+        self.timings = {k: 0.0 for k in TIMING_KEYS}
+        # Test hook: called with each SchedulerOutput before the forward pass (may raise).
+        self.fault_injector: Optional[Callable[[SchedulerOutput], None]] = None
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = list(self.model_config.eos_token_ids)
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return tuple(ids)
+
+    # ----------------------------------------------------------------- requests
+    def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """A prompt string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt must not be empty")
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of ints")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is out of range [0, {vocab})")
+        return list(ids)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        text, ids = self.process_prompt(prompt)
+        max_model_len = self.config.scheduler_config.max_model_len
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}, so it must be shorter")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+        parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()})
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            child_params = params if (i == 0 or params.seed is None) else params.clone(seed=params.seed + i)
+            req = Request(child_id, ids, child_params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                          priority=priority, arrival_time=arrival_time)
+            gen = None
+            if child_params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
+            seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req), gen)
+            parent.children.append(seq)
+        for seq in parent.children:
+            self.scheduler.add_request(seq.request)
+            self._seqs[seq.request.request_id] = seq
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.get(rid)
+            if parent is None:
+                continue
+            ids = [c.request.request_id for c in parent.children if c.finish_reason is None]
+            for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
+                self._finish_seq(self._seqs[req.request_id], req)
+            self._pending.append(self._pop_if_finished(parent))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.timings["schedule"] += t1 - t0
+        outputs, self._pending = self._pending, []
+        if so.is_empty:
+            return outputs
+        touched: dict[str, ParentState] = {}
+        try:
+            batch = ForwardBatch.build(so, self.runner.block_size, self.device)
+            self.scheduler.stats.forward_tokens += batch.num_tokens
+            ledger.check_step(so.total_tokens, batch.num_tokens, so.max_num_batched_tokens)
+            t2 = time.perf_counter()
+            self.timings["build"] += t2 - t1
+            if self.fault_injector is not None:
+                self.fault_injector(so)
+            logits = self.runner.execute(batch, so.kv_copies)
+            t3 = time.perf_counter()
+            self.timings["forward"] += t3 - t2
+            sampled = self._sample(so, batch, logits)
+            self.timings["sample"] += time.perf_counter() - t3
+        except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
+            self._fail_step(so, exc, touched)
+            return outputs + self._collect_finished(touched)
+        t4 = time.perf_counter()
+        finished = self.scheduler.update(so, {rid: [out.token_ids[row]] for rid, (row, out) in sampled.items()})
+        for rid, (row, out) in sampled.items():
+            seq = self._seqs[rid]
+            record_logprobs(seq, out, row, self.tokenizer)
+            self._detokenize(seq)
+            touched[seq.parent_id] = self._parents[seq.parent_id]
+        for req in finished:
+            seq = self._seqs[req.request_id]
+            self._finish_seq(seq, req)
+            touched[seq.parent_id] = self._parents[seq.parent_id]
+        self.timings["update"] += time.perf_counter() - t4
+        return outputs + self._collect_finished(touched)
+
+    def _sample(self, so: SchedulerOutput, batch: ForwardBatch, logits: torch.Tensor):
+        rows = [e for e in so.requests if e.sample]
+        for i, e in enumerate(rows):
+            if e.num_output_tokens < e.sampling_params.min_tokens:
+                banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+        params = [e.sampling_params for e in rows]
+        gens = [self._seqs[e.request_id].generator for e in rows]
+        out = self.sampler.sample(logits, params, gens)
+        return {e.request_id: (i, out) for i, e in enumerate(rows)}
+
+    def _detokenize(self, seq: SequenceState) -> None:
+        req = seq.request
+        seq.detokenizer.update([req.all_token_ids[-1]])
+        seq.text = seq.detokenizer.text
+        if seq.detokenizer.finished and not req.is_finished():
+            req.stop_reason = seq.detokenizer.stop_reason
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            self._finish_seq(seq, req)
+
+    def _finish_seq(self, seq: SequenceState, req: Request) -> None:
+        if seq.finish_reason is not None:
+            return
+        if not seq.detokenizer.finished:
+            seq.detokenizer.flush()
+        seq.text = seq.detokenizer.text
+        seq.finish_reason = req.status.finish_reason
+        seq.stop_reason = req.stop_reason
+        self._seqs.pop(req.request_id, None)
+
+    def _fail_step(self, so: SchedulerOutput, exc: Exception, touched: dict[str, ParentState]) -> None:
+        if isinstance(exc, ledger.LedgerError):
+            self.scheduler.stats.ledger_violations += 1
+            logger.error("ledger violation, failing step %d: %s", so.step_id, exc)
+        else:
+            self.scheduler.stats.step_errors += 1
+            logger.exception("engine step %d failed", so.step_id)
+        msg = f"{type(exc).__name__}: {exc}"
+        for req in self.scheduler.fail_step(so, msg):
+            seq = self._seqs[req.request_id]
+            self._finish_seq(seq, req)
+            parent = self._parents[seq.parent_id]
+            parent.error = msg
+            touched[parent.request_id] = parent
+
+    def _collect_finished(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        return [self._pop_if_finished(parent) for parent in touched.values()]
+
+    def _pop_if_finished(self, parent: ParentState) -> RequestOutput:
+        if parent.finished:
+            self._parents.pop(parent.request_id, None)
+            parent.metrics["finished_time"] = time.time()
+        return parent.to_output()
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        out: dict[str, Any] = s.stats.as_dict()
+        out.update(
+            num_free_blocks=s.kv.num_free_blocks,
+            num_total_blocks=s.kv.num_total_blocks,
+            num_cached_blocks=s.kv.pool.num_cached_blocks,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            block_evictions=s.kv.pool.num_evictions,
+        )
+        out["timings_s"] = dict(self.timings)
+        return out

@@ -1,0 +1,95 @@
+"""Turns sampled tokens into user-visible outputs: detokenization, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tallyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from tallyserve.request import Request
+from tallyserve.runner.sampler import SamplerOutput
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SequenceState:
+    """Engine-side state of one sequence (one of a request's n completions)."""
+
+    request: Request
+    index: int
+    parent_id: str
+    detokenizer: IncrementalDetokenizer
+    generator: Optional[torch.Generator]
+    text: str = ""
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[SequenceState] = field(default_factory=list)
+    error: Optional[str] = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+    def to_output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=c.request.output_token_ids,
+                cumulative_logprob=c.cumulative_logprob if self.params.logprobs is not None else None,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in self.children
+        ]
+        cached = self.children[0].request.num_cached_tokens if self.children else 0
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.finished,
+            num_cached_tokens=max(cached, 0),
+            error=self.error,
+            metrics=dict(self.metrics),
+        )
+
+
+def make_detokenizer(tokenizer: Optional[Tokenizer], request: Request) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params)
+
+
+def record_logprobs(seq: SequenceState, out: SamplerOutput, row: int, tokenizer: Optional[Tokenizer]) -> None:
+    token = out.token_ids[row]
+    seq.cumulative_logprob += out.logprobs[row]
+    if seq.request.sampling_params.logprobs is None:
+        return
+    entry: dict[int, Logprob] = {}
+    top = out.top_logprobs[row] or []
+    for rank, (tid, lp) in enumerate(top, start=1):
+        entry[tid] = Logprob(lp, rank, _piece(tokenizer, tid))
+    if token not in entry:
+        rank = next((i for i, (t, _) in enumerate(top, 1) if t == token), None)
+        entry = {token: Logprob(out.logprobs[row], rank, _piece(tokenizer, token)), **entry}
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.append(entry)
+
+
+def _piece(tokenizer: Optional[Tokenizer], token_id: int) -> Optional[str]:
+    return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
