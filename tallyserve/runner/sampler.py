@@ -1,0 +1,194 @@
+"""Batched sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Reproducibility contract: a row with its own `torch.Generator` (a seeded request) draws its
+randomness from that generator only, one uniform draw of vocabulary size per step, so the
+same seed gives the same tokens whatever else is in the batch. Rows without a generator share
+the sampler's engine-wide generator, drawn in one batched call.
+
+Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with
+probability p_i, and tokens with p_i = 0 (filtered out) can never win. One uniform draw of
+vocabulary size per row per step, so the randomness a seeded row consumes is fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from tallyserve.sampling_params import SamplingParams
+
+# q is clamped away from 0 so that p / q stays finite (p <= 1, so p / 1e-30 cannot overflow).
+_MIN_EXPONENTIAL = 1e-30
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Log-probability of each sampled token under the raw model distribution (log_softmax of
+    # the unmodified logits), as vLLM reports by default.
+    logprobs: list[float]
+    # For rows with params.logprobs = k > 0: the k most likely (token id, raw logprob), descending.
+    top_logprobs: list[Optional[list[tuple[int, float]]]]
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Mask (set to -inf) the tokens each row's filters remove; return a new tensor.
+
+    logits: (M, V) float, already divided by temperature. top_k: (M,) int, values <= 0 or >= V
+    disable the filter for that row; top_k keeps every token tied with the k-th largest.
+    top_p: (M,) float in (0, 1]; keeps the smallest set of most likely tokens whose probability
+    (renormalised after top-k) reaches top_p; 1 disables. min_p: (M,) float in [0, 1]; removes
+    tokens whose probability is below min_p times the most likely token's. The most likely token
+    always survives. Filters apply in the order top-k, top-p, min-p. Pass None to skip a filter.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {tuple(logits.shape)}")
+    out = logits.clone()
+    vocab = out.shape[1]
+    if top_k is not None:
+        k = top_k.to(device=out.device, dtype=torch.long)
+        active = (k > 0) & (k < vocab)
+        if bool(active.any()):
+            k_eff = torch.where(active, k, torch.ones_like(k))
+            kth = out.topk(int(k_eff.max()), dim=-1).values.gather(1, (k_eff - 1).unsqueeze(1))
+            kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, -float("inf")))
+            out.masked_fill_(out < kth, -float("inf"))
+    if top_p is not None:
+        p = top_p.to(device=out.device, dtype=out.dtype)
+        active = p < 1.0
+        if bool(active.any()):
+            sorted_logits, order = out.sort(dim=-1, descending=True, stable=True)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumulative sum
+            sorted_drop = (mass_before >= p.unsqueeze(1)) & active.unsqueeze(1)
+            sorted_drop[:, 0] = False  # the most likely token always stays
+            drop = torch.zeros_like(sorted_drop).scatter_(1, order, sorted_drop)
+            out.masked_fill_(drop, -float("inf"))
+    if min_p is not None:
+        mp = min_p.to(device=out.device, dtype=out.dtype)
+        if bool((mp > 0).any()):
+            probs = out.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * mp.unsqueeze(1)
+            out.masked_fill_(probs < threshold, -float("inf"))
+    return out
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    generator: the engine-wide generator for rows without their own (requests without a seed).
+    When None, a fresh nondeterministically seeded generator is made per device on first use.
+    """
+
+    def __init__(self, generator: Optional[torch.Generator] = None) -> None:
+        self._base = generator
+        self._shared: dict[tuple[str, Optional[int]], torch.Generator] = {}
+        if generator is not None:
+            self._shared[_device_key(generator.device)] = generator
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        key = _device_key(device)
+        if key not in self._shared:
+            gen = torch.Generator(device=device)
+            if self._base is not None:  # same seed on another device: still reproducible
+                gen.manual_seed(self._base.initial_seed())
+            else:
+                gen.seed()
+            self._shared[key] = gen
+        return self._shared[key]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[Optional[torch.Generator]],
+    ) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {tuple(logits.shape)}")
+        num_rows = logits.shape[0]
+        if len(params) != num_rows or len(generators) != num_rows:
+            raise ValueError(
+                f"need one SamplingParams and one generator entry per logits row: rows={num_rows}, "
+                f"params={len(params)}, generators={len(generators)}"
+            )
+        logits = logits.float()
+        token_ids = logits.argmax(dim=-1)  # greedy rows keep this (ties -> lowest id)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            sampled = self._sample_random(logits, random_rows, params, generators)
+            token_ids[torch.tensor(random_rows, device=logits.device)] = sampled
+        logsumexp = logits.logsumexp(dim=-1)
+        sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
+        top = _top_logprobs(logits, logsumexp, params)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top
+        )
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[Optional[torch.Generator]],
+    ) -> torch.Tensor:
+        device = logits.device
+        sub = [params[i] for i in rows]
+        temps = torch.tensor([p.temperature for p in sub], device=device, dtype=torch.float32)
+        scaled = logits[torch.tensor(rows, device=device)] / temps.unsqueeze(1)
+        top_k = top_p = min_p = None
+        if any(0 < p.top_k < logits.shape[1] for p in sub):
+            top_k = torch.tensor([p.top_k for p in sub], device=device)
+        if any(p.top_p < 1.0 for p in sub):
+            top_p = torch.tensor([p.top_p for p in sub], device=device, dtype=torch.float32)
+        if any(p.min_p > 0.0 for p in sub):
+            min_p = torch.tensor([p.min_p for p in sub], device=device, dtype=torch.float32)
+        if top_k is not None or top_p is not None or min_p is not None:
+            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        probs = scaled.softmax(dim=-1)
+
+        # q = -log(U), U ~ Uniform[0, 1), is Exp(1); on CPU uniform_ + log is ~2.5x faster than
+        # exponential_. U = 0 gives q = inf, which only removes that one token from this draw.
+        u = torch.empty_like(probs)
+        own = [j for j, i in enumerate(rows) if generators[i] is not None]
+        shared = [j for j, i in enumerate(rows) if generators[i] is None]
+        for j in own:  # each seeded row draws from its own generator only
+            u[j].uniform_(generator=generators[rows[j]])
+        if shared:
+            draw = torch.empty((len(shared), probs.shape[1]), device=device, dtype=probs.dtype)
+            draw.uniform_(generator=self._shared_generator(device))
+            u[torch.tensor(shared, device=device)] = draw
+        q = u.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
+        return (probs / q).argmax(dim=-1)
+
+
+def _top_logprobs(
+    logits: torch.Tensor, logsumexp: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[Optional[list[tuple[int, float]]]]:
+    result: list[Optional[list[tuple[int, float]]]] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if not rows:
+        return result
+    k_max = min(max(params[i].logprobs for i in rows), logits.shape[1])
+    index = torch.tensor(rows, device=logits.device)
+    values, ids = logits[index].topk(k_max, dim=-1)
+    values = (values - logsumexp[index].unsqueeze(1)).tolist()
+    ids = ids.tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        result[i] = list(zip(ids[j][:k], values[j][:k]))
+    return result
+
+
+def _device_key(device: torch.device) -> tuple[str, Optional[int]]:
+    device = torch.device(device)
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return device.type, index

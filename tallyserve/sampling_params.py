@@ -1,0 +1,155 @@
+"""SamplingParams: validated, immutable per-request generation options (vLLM-compatible names).
+
+The object is a frozen dataclass: the scheduler shares one instance between the engine and the
+runner, so nothing may change it after validation. Derive a modified copy with `clone(**changes)`
+(or `dataclasses.replace`), which validates again.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional, Sequence, Union
+
+# Temperatures below this are treated as greedy decoding (argmax), as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Most top logprobs a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    if not _is_int(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any, allowed: str, ok) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a number ({allowed}), got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if math.isnan(value) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def _normalise_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise ValueError(f"stop[{i}] must be a string, got {s!r} ({type(s).__name__})")
+        if not s:
+            raise ValueError(f"stop[{i}] must be a non-empty string")
+    return tuple(stop)
+
+
+def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+    return tuple(_check_int(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling options. Defaults and meanings follow vLLM.
+
+    n: number of completions to return. temperature: 0 (< 1e-5) means greedy.
+    top_p in (0, 1], top_k (0 or -1 = disabled), min_p in [0, 1]: filters applied after
+    temperature. seed: per-request seed (same seed, same tokens). max_tokens: None means up to
+    the model's max length (the engine resolves it). min_tokens: stop strings, stop token ids and
+    EOS are ignored until this many tokens exist. stop: strings that end generation (excluded from
+    the output unless include_stop_str_in_output). stop_token_ids: extra ids that end generation.
+    ignore_eos: keep going past EOS. logprobs: number of top logprobs to return per token
+    besides the sampled one (None: none). skip_special_tokens: omit special tokens from text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Union[None, str, Sequence[str]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise through object.__setattr__, once, here
+        _check_int("n", self.n, 1)
+        set_(self, "temperature", _check_float(
+            "temperature", self.temperature, "finite and >= 0", lambda v: 0 <= v < math.inf
+        ))
+        set_(self, "top_p", _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
+        _check_int("top_k", self.top_k, -1)
+        set_(self, "min_p", _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1))
+        if self.seed is not None:
+            _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        set_(self, "stop", _normalise_stop(self.stop))
+        set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+
+    # ---- derived ---------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with `changes` applied (e.g. the engine resolving max_tokens)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s): {', '.join(sorted(unknown))}")
+        return replace(self, **changes)

