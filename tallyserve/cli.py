@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             conv = float if "float" in kind else int if "int" in kind else str
             group.add_argument(flag, type=conv, default=None, dest=f.name)
+    group.add_argument("--kv-offload-gb", type=float, default=None, dest="kv_offload_gb",
+                       help="host-memory KV tier size in GiB (sets kv_offload_bytes)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -30,6 +32,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         for f in dataclasses.fields(EngineArgs)
         if f.name != "extra" and getattr(ns, f.name, None) is not None
     }
+    if getattr(ns, "kv_offload_gb", None) is not None:
+        given["kv_offload_bytes"] = int(ns.kv_offload_gb * (1 << 30))
     return EngineArgs(**given)
 
 
@@ -82,7 +86,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_generate_parser]
 
 
 def _load_optional_subcommands() -> None:
-    for mod in ("tallyserve.server.cli",):
+    for mod in ("tallyserve.server.cli", "tallyserve.bench.cli", "tallyserve.sim.cli"):
         try:
             __import__(mod)
         except ImportError:

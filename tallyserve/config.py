@@ -20,6 +20,7 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     enable_partial_reuse: bool
+    num_host_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: Optional[int] = None  # KV pool size on CPU (and on GPU, if given)
+    kv_offload_bytes: Optional[int] = None  # host-memory KV tier for evicted prefix blocks
     max_logprobs: int = 20
     enforce_eager: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -88,6 +90,7 @@ class EngineArgs:
         _check_int("block_size", self.block_size, 1, 1024)
         _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        _check_int("kv_offload_bytes", self.kv_offload_bytes, 0, optional=True)
         _check_int("max_logprobs", self.max_logprobs, 0)
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
@@ -96,7 +99,7 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-    def resolve(self, model_config: ModelConfig, num_blocks: int) -> EngineConfig:
+    def resolve(self, model_config: ModelConfig, num_blocks: int, num_host_blocks: int = 0) -> EngineConfig:
         """Derive max_model_len and the token budget once; the result is frozen."""
         model_max = model_config.max_position_embeddings
         capacity = num_blocks * self.block_size
@@ -125,7 +128,9 @@ class EngineArgs:
             )
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, self.enable_partial_reuse),
+            cache_config=CacheConfig(
+                self.block_size, num_blocks, self.enable_prefix_caching, self.enable_partial_reuse, num_host_blocks
+            ),
             scheduler_config=SchedulerConfig(budget, self.max_num_seqs, max_model_len, self.enable_chunked_prefill),
             args=dataclasses.replace(self),
         )

@@ -36,15 +36,20 @@ def reference_output(prompt: list[int], max_tokens: int, eos: int | None = None)
 
 
 class OracleRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.cache = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.host = np.full(max(num_host_blocks, 1) * block_size, -1, dtype=np.int64)
         self.steps = 0
 
     def execute(self, so: SchedulerOutput, contexts: dict[str, list[int]]) -> tuple[ForwardBatch, dict[str, list[int]]]:
         """Run one step. `contexts` maps request id -> all its tokens (for checking only)."""
-        bs = self.block_size
-        for c in so.kv_copies:
+        bs, moves = self.block_size, so.kv_transfers
+        for c in moves.offloads:
+            self.host[c.dst * bs: (c.dst + 1) * bs] = self.cache[c.src * bs: (c.src + 1) * bs]
+        for c in moves.restores:
+            self.cache[c.dst * bs: (c.dst + 1) * bs] = self.host[c.src * bs: (c.src + 1) * bs]
+        for c in moves.copies:
             self.cache[c.dst * bs: c.dst * bs + c.num_tokens] = self.cache[c.src * bs: c.src * bs + c.num_tokens]
         batch = ForwardBatch.build(so, bs, torch.device("cpu"))
         self.cache[batch.attn_meta.slot_mapping.numpy()] = batch.input_ids.numpy()

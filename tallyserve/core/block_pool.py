@@ -8,7 +8,7 @@ reusable by a hit) until it is handed out again, at which point the entry is evi
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from tallyserve.core.prefix_cache import PrefixCache
 
@@ -34,6 +34,8 @@ class BlockPool:
         self.prefix_cache = prefix_cache
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.num_evictions = 0
+        # Called as on_evict(block_id, block_hash) when a cached block is handed out again.
+        self.on_evict: Optional[Callable[[int, int], None]] = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,8 +57,11 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
+                evicted_hash = block.block_hash
                 self.prefix_cache.remove(block)
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, evicted_hash)
             block.ref_cnt = 1
             out.append(block)
         return out

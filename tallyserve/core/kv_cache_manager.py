@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tallyserve.core.block_pool import BlockPool, KVCacheBlock
+from tallyserve.core.host_tier import HostKVTier
 from tallyserve.core.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from tallyserve.request import Request
 
@@ -22,7 +23,11 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCopy:
-    """Copy the first `num_tokens` slots of block `src` into block `dst` before the forward pass."""
+    """Copy the first `num_tokens` slots of block `src` into block `dst` before the forward pass.
+
+    Device-to-device for partial reuse; device-to-host (offload) and host-to-device (restore)
+    for the host tier, where src / dst name a block of the pool on each side.
+    """
 
     src: int
     dst: int
@@ -30,15 +35,38 @@ class KVCopy:
 
 
 @dataclass(frozen=True)
+class KVTransfers:
+    """The block moves of one step, run in this order before the forward pass."""
+
+    offloads: tuple[KVCopy, ...] = ()  # device -> host: evicted cached blocks
+    restores: tuple[KVCopy, ...] = ()  # host -> device: host-tier prefix hits
+    copies: tuple[KVCopy, ...] = ()  # device -> device: partial-block reuse
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.restores or self.copies)
+
+
+@dataclass(frozen=True)
 class PrefixHit:
-    blocks: tuple[KVCacheBlock, ...] = ()  # full cached blocks, in order
+    # One entry per full block hit, in order: the cached device block, or None where the
+    # block comes back from the host tier (its host block is the next of `host_blocks`).
+    blocks: tuple[Optional[KVCacheBlock], ...] = ()
     num_full_tokens: int = 0
     partial_src: Optional[KVCacheBlock] = None  # cached block whose leading tokens we reuse
     num_partial_tokens: int = 0
+    host_blocks: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return self.num_full_tokens + self.num_partial_tokens
+
+    @property
+    def device_blocks(self) -> list[KVCacheBlock]:
+        return [b for b in self.blocks if b is not None]
+
+    def without_partial(self) -> "PrefixHit":
+        """The same hit minus the partial block (whose pinned source costs one extra block)."""
+        return PrefixHit(self.blocks, self.num_full_tokens, None, 0, self.host_blocks)
 
 
 NO_HIT = PrefixHit()
@@ -51,6 +79,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         enable_partial_reuse: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -58,10 +87,16 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_partial_reuse = enable_prefix_caching and enable_partial_reuse
         self.pool = BlockPool(num_blocks, PrefixCache() if enable_prefix_caching else None)
+        self.host = HostKVTier(num_host_blocks) if enable_prefix_caching and num_host_blocks else None
+        if self.host is not None:
+            self.pool.on_evict = self._offload
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
-        self._pending_copies: list[KVCopy] = []
+        self._copies: list[KVCopy] = []
+        self._offloads: list[KVCopy] = []
+        self._restores: list[KVCopy] = []
         self._copy_sources: list[KVCacheBlock] = []  # pinned until the step that copies them ran
+        self._pinned_host: list[int] = []  # host blocks being restored this step
 
     # ----------------------------------------------------------------- queries
     @property
@@ -95,13 +130,17 @@ class KVCacheManager:
         self._update_block_hashes(request)
         bs, cache = self.block_size, self.pool.prefix_cache
         max_hit = request.num_tokens - 1
-        blocks: list[KVCacheBlock] = []
+        blocks: list[Optional[KVCacheBlock]] = []
+        host_blocks: list[int] = []
         for i, block_hash in enumerate(request.block_hashes):
             if (i + 1) * bs > max_hit:
                 break
             block = cache.lookup(block_hash)
             if block is None:
-                break
+                host = self.host.lookup(block_hash) if self.host is not None else None
+                if host is None:
+                    break
+                host_blocks.append(host)
             blocks.append(block)
         num_full = len(blocks) * bs
         src, num_partial = None, 0
@@ -109,7 +148,7 @@ class KVCacheManager:
         if self.enable_partial_reuse and limit > 0:
             parent = request.block_hashes[len(blocks) - 1] if blocks else ROOT_HASH
             src, num_partial = cache.match_partial(parent, request.all_token_ids[num_full:num_full + limit])
-        return PrefixHit(tuple(blocks), num_full, src, num_partial)
+        return PrefixHit(tuple(blocks), num_full, src, num_partial, tuple(host_blocks))
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[PrefixHit] = None) -> bool:
@@ -130,32 +169,57 @@ class KVCacheManager:
     def _admit(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
         if request.request_id in self._req_blocks:
             raise ValueError(f"request {request.request_id!r} already holds blocks")
-        need = self.num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
-        pinned = list(hit.blocks)
-        if hit.partial_src is not None:
-            pinned.append(hit.partial_src)
+        device_hits = hit.device_blocks
+        need = self.num_blocks_needed(hit.num_tokens + num_new_tokens) - len(device_hits)
+        pinned = device_hits + ([hit.partial_src] if hit.partial_src is not None else [])
         # Hit blocks still on the free queue are counted as free but must not be handed out.
         evictable = sum(1 for b in set(pinned) if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - evictable:
             return False
         self.pool.touch(pinned)
-        new_blocks = self.pool.get_new_blocks(need)
+        if hit.host_blocks:
+            self.host.pin(hit.host_blocks)  # before allocating: offloads must not reuse them
+            self._pinned_host.extend(hit.host_blocks)
+        new_blocks = iter(self.pool.get_new_blocks(need))
+        table: list[KVCacheBlock] = []
+        hosts = iter(hit.host_blocks)
+        for block in hit.blocks:
+            if block is None:
+                block = next(new_blocks)
+                self._restores.append(KVCopy(next(hosts), block.block_id, self.block_size))
+            table.append(block)
+        rest = list(new_blocks)
         if hit.partial_src is not None:
             self._copy_sources.append(hit.partial_src)
-            self._pending_copies.append(KVCopy(hit.partial_src.block_id, new_blocks[0].block_id, hit.num_partial_tokens))
-        self._req_blocks[request.request_id] = list(hit.blocks) + new_blocks
-        self._num_cached_blocks[request.request_id] = len(hit.blocks)
+            self._copies.append(KVCopy(hit.partial_src.block_id, rest[0].block_id, hit.num_partial_tokens))
+        self._req_blocks[request.request_id] = table + rest
+        leading = next((i for i, b in enumerate(hit.blocks) if b is None), len(hit.blocks))
+        self._num_cached_blocks[request.request_id] = leading
         return True
 
-    def take_copies(self) -> tuple[KVCopy, ...]:
-        """Partial-reuse copies queued since the last call (they go into the SchedulerOutput)."""
-        copies, self._pending_copies = tuple(self._pending_copies), []
-        return copies
+    def _offload(self, block_id: int, block_hash: int) -> None:
+        host = self.host.offload(block_hash)
+        if host is not None:
+            self._offloads.append(KVCopy(block_id, host, self.block_size))
 
-    def release_copy_sources(self) -> None:
-        """Unpin the sources of partial-block copies once the step that copied them has run."""
+    def take_transfers(self) -> KVTransfers:
+        """Block moves queued since the last call (they go into the SchedulerOutput)."""
+        out = KVTransfers(tuple(self._offloads), tuple(self._restores), tuple(self._copies))
+        self._offloads, self._restores, self._copies = [], [], []
+        return out
+
+    def release_step(self) -> None:
+        """Unpin copy sources and host blocks once the step that moved them has run."""
         sources, self._copy_sources = self._copy_sources, []
         self.pool.free_blocks(sources)
+        if self._pinned_host:
+            self.host.unpin(self._pinned_host)
+            self._pinned_host = []
+
+    def discard_offloads(self, offloads: tuple[KVCopy, ...]) -> None:
+        """A step whose transfers never ran: forget the host copies it promised."""
+        if self.host is not None:
+            self.host.discard(c.dst for c in offloads)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the request's full blocks whose KV is now computed."""
@@ -193,3 +257,7 @@ class KVCacheManager:
         for b in self.pool.blocks:
             if b.ref_cnt != refs.get(b.block_id, 0):
                 raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} holders")
+        if self.host is not None:
+            self.host.check_integrity()
+            if self.host.num_pinned != len(set(self._pinned_host)):
+                raise AssertionError("host tier: pins held outside a step")

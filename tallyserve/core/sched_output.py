@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tallyserve.core.kv_cache_manager import KVCopy
+from tallyserve.core.kv_cache_manager import KVTransfers
 
 if TYPE_CHECKING:
     from tallyserve.sampling_params import SamplingParams
@@ -35,7 +35,7 @@ class SchedulerOutput:
     step_id: int
     requests: tuple[ScheduledRequest, ...]
     total_tokens: int  # what the ledger charged: the sum of every request's num_tokens
-    kv_copies: tuple[KVCopy, ...] = ()  # partial-reuse block copies to run before the forward
+    kv_transfers: KVTransfers = KVTransfers()  # offloads, restores, partial copies: before the forward
     preempted_request_ids: tuple[str, ...] = ()
     max_num_batched_tokens: int = 0
 

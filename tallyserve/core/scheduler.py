@@ -28,6 +28,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     partial_hit_tokens: int = 0
     preemptions: int = 0
+    host_hit_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -41,6 +42,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             cache_config.enable_partial_reuse,
+            cache_config.num_host_blocks,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -108,10 +110,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.match_prefix(req)
-            needed = ledger.query_tokens(req.num_tokens, hit.num_tokens)
-            n = ledger.charge(needed, budget, cfg.enable_chunked_prefill)
-            # Commit (pin + allocate) the exact hit the chunk was sized on, then charge.
-            if n == 0 or not self.kv.allocate_slots(req, n, hit):
+            n = self._admit(req, hit, budget)
+            if n == 0 and hit.partial_src is not None:
+                # In a tight pool the partial source's pinned block can be the one we lack.
+                hit = hit.without_partial()
+                n = self._admit(req, hit, budget)
+            if n == 0:
                 break
             self.waiting.pop(0)
             req.num_computed_tokens = hit.num_tokens
@@ -121,8 +125,17 @@ class Scheduler:
             self.running.append(req)
             self.stats.prefix_hit_tokens += hit.num_full_tokens
             self.stats.partial_hit_tokens += hit.num_partial_tokens
+            self.stats.host_hit_tokens += len(hit.host_blocks) * self.kv.block_size
             scheduled[req.request_id] = n
             budget -= n
+
+    def _admit(self, req: Request, hit, budget: int) -> int:
+        """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge."""
+        needed = ledger.query_tokens(req.num_tokens, hit.num_tokens)
+        n = ledger.charge(needed, budget, self.config.enable_chunked_prefill)
+        if n == 0 or not self.kv.allocate_slots(req, n, hit):
+            return 0
+        return n
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: blocks go back to the pool (full ones stay cached)."""
@@ -159,7 +172,7 @@ class Scheduler:
             step_id=self._step_id,
             requests=tuple(entries),
             total_tokens=total,
-            kv_copies=self.kv.take_copies(),
+            kv_transfers=self.kv.take_transfers(),
             preempted_request_ids=tuple(r.request_id for r in preempted),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
@@ -183,13 +196,15 @@ class Scheduler:
                     self._finish(req, status)
                     finished.append(req)
                     break
-        self.kv.release_copy_sources()
+        self.kv.release_step()
         if not self.requests:
             self.kv.check_integrity()  # cheap while idle: free + cached + in use == total
         return finished
 
-    def fail_step(self, output: SchedulerOutput, error: str) -> list[Request]:
+    def fail_step(self, output: SchedulerOutput, error: str, transfers_ran: bool = True) -> list[Request]:
         """A step that could not run fails only its own requests; the loop goes on."""
+        if not transfers_ran:
+            self.kv.discard_offloads(output.kv_transfers.offloads)
         failed = []
         for entry in output.requests:
             req = self.requests.get(entry.request_id)
@@ -198,7 +213,7 @@ class Scheduler:
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)
             failed.append(req)
-        self.kv.release_copy_sources()
+        self.kv.release_step()
         return failed
 
     def _check_stop(self, req: Request) -> Optional[RequestStatus]:

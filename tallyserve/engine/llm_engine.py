@@ -18,7 +18,13 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.attention.backend import get_attn_backend
 from tallyserve.request import Request, RequestStatus
 from tallyserve.runner.forward_batch import ForwardBatch
-from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, resolve_device, resolve_dtype
+from tallyserve.runner.model_runner import (
+    ModelRunner,
+    determine_num_blocks,
+    num_host_blocks,
+    resolve_device,
+    resolve_dtype,
+)
 from tallyserve.runner.sampler import Sampler
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
@@ -46,11 +52,12 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed, get_attn_backend("torch"))
         num_blocks = determine_num_blocks(args, mc, self.device, self.dtype)
-        self.config = args.resolve(mc, num_blocks)
+        host_blocks = num_host_blocks(args, mc, self.dtype) if args.enable_prefix_caching else 0
+        self.config = args.resolve(mc, num_blocks, host_blocks)
         self.model_config = mc
         cc, sc = self.config.cache_config, self.config.scheduler_config
         self.scheduler = Scheduler(sc, cc)
-        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype, host_blocks)
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(args.seed))
         self.eos_token_ids = self._eos_ids()
         self._parents: dict[str, ParentState] = {}
@@ -151,6 +158,11 @@ class LLMEngine:
             return outputs
         touched: dict[str, ParentState] = {}
         try:
+            self.runner.apply_transfers(so.kv_transfers)
+        except Exception as exc:  # noqa: BLE001 - the promised host copies never happened
+            self._fail_step(so, exc, touched, transfers_ran=False)
+            return outputs + self._collect_finished(touched)
+        try:
             batch = ForwardBatch.build(so, self.runner.block_size, self.device)
             self.scheduler.stats.forward_tokens += batch.num_tokens
             ledger.check_step(so.total_tokens, batch.num_tokens, so.max_num_batched_tokens)
@@ -158,7 +170,7 @@ class LLMEngine:
             self.timings["build"] += t2 - t1
             if self.fault_injector is not None:
                 self.fault_injector(so)
-            logits = self.runner.execute(batch, so.kv_copies)
+            logits = self.runner.execute(batch)
             t3 = time.perf_counter()
             self.timings["forward"] += t3 - t2
             sampled = self._sample(so, batch, logits)
@@ -194,8 +206,7 @@ class LLMEngine:
 
     def _detokenize(self, seq: SequenceState) -> None:
         req = seq.request
-        seq.detokenizer.update([req.all_token_ids[-1]])
-        seq.text = seq.detokenizer.text
+        seq.text += seq.detokenizer.update([req.all_token_ids[-1]])  # stop-safe text only
         if seq.detokenizer.finished and not req.is_finished():
             req.stop_reason = seq.detokenizer.stop_reason
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -211,7 +222,8 @@ class LLMEngine:
         seq.stop_reason = req.stop_reason
         self._seqs.pop(req.request_id, None)
 
-    def _fail_step(self, so: SchedulerOutput, exc: Exception, touched: dict[str, ParentState]) -> None:
+    def _fail_step(self, so: SchedulerOutput, exc: Exception, touched: dict[str, ParentState],
+                   transfers_ran: bool = True) -> None:
         if isinstance(exc, ledger.LedgerError):
             self.scheduler.stats.ledger_violations += 1
             logger.error("ledger violation, failing step %d: %s", so.step_id, exc)
@@ -219,7 +231,7 @@ class LLMEngine:
             self.scheduler.stats.step_errors += 1
             logger.exception("engine step %d failed", so.step_id)
         msg = f"{type(exc).__name__}: {exc}"
-        for req in self.scheduler.fail_step(so, msg):
+        for req in self.scheduler.fail_step(so, msg, transfers_ran):
             seq = self._seqs[req.request_id]
             self._finish_seq(seq, req)
             parent = self._parents[seq.parent_id]
@@ -246,6 +258,13 @@ class LLMEngine:
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             block_evictions=s.kv.pool.num_evictions,
+        )
+        host = s.kv.host
+        out.update(
+            num_host_blocks=host.num_blocks if host else 0,
+            host_blocks_offloaded=host.num_offloaded if host else 0,
+            host_blocks_restored=self.scheduler.stats.host_hit_tokens // s.kv.block_size,
+            kv_bytes_moved=self.runner.bytes_moved,
         )
         out["timings_s"] = dict(self.timings)
         return out

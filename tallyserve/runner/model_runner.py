@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from tallyserve.core.kv_cache_manager import KVCopy, cdiv
+from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.model_config import ModelConfig
 from tallyserve.runner.forward_batch import ForwardBatch
 
@@ -74,16 +74,31 @@ def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: to
     return int(num_blocks)
 
 
+def num_host_blocks(args: EngineArgs, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """Blocks of the host KV tier: kv_offload_bytes over the bytes of one block (0 = no tier)."""
+    if not args.kv_offload_bytes:
+        return 0
+    return max(args.kv_offload_bytes // kv_bytes_per_block(model_config, args.block_size, dtype), 1)
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         shape = model.get_kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_hidden_layers)]
+        layers = model_config.num_hidden_layers
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.host_kv_caches: list[torch.Tensor] = []
+        if num_host_blocks:
+            host_shape = model.get_kv_cache_shape(num_host_blocks, block_size)
+            pin = device.type == "cuda"
+            self.host_kv_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
+        self.bytes_per_block = kv_bytes_per_block(model_config, block_size, dtype)
+        self.bytes_moved = 0
 
     def copy_blocks(self, copies: Sequence[KVCopy]) -> None:
         """Partial reuse: copy the leading slots of cached blocks into the requests' new blocks."""
@@ -92,9 +107,24 @@ class ModelRunner:
                 cache[:, c.dst, : c.num_tokens] = cache[:, c.src, : c.num_tokens]
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch, copies: Sequence[KVCopy] = ()) -> torch.Tensor:
+    def apply_transfers(self, moves: KVTransfers) -> None:
+        """A step's block moves, in order: offloads (device -> host), restores, partial copies."""
+        if moves.offloads:
+            src = torch.tensor([c.src for c in moves.offloads], device=self.device)
+            dst = torch.tensor([c.dst for c in moves.offloads])
+            for dev, host in zip(self.kv_caches, self.host_kv_caches):
+                host[:, dst] = dev[:, src].to("cpu")
+        if moves.restores:
+            src = torch.tensor([c.src for c in moves.restores])
+            dst = torch.tensor([c.dst for c in moves.restores], device=self.device)
+            for dev, host in zip(self.kv_caches, self.host_kv_caches):
+                dev[:, dst] = host[:, src].to(self.device, non_blocking=True)
+        self.bytes_moved += (len(moves.offloads) + len(moves.restores)) * self.bytes_per_block
+        self.copy_blocks(moves.copies)
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the forward pass; return float32 logits of the sampled rows (S, vocab)."""
-        self.copy_blocks(copies)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)

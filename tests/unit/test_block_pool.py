@@ -89,9 +89,9 @@ def test_kv_manager_full_hit_partial_hit_and_copy():
     assert hit.partial_src.block_id == 1 and hit.num_partial_tokens == 2
     assert kv.allocate_slots(b, b.num_tokens - hit.num_tokens, hit)
     assert kv.block_ids("b") == (0, 3, 4)
-    assert kv.take_copies() == (KVCopy(src=1, dst=3, num_tokens=2),)
+    assert kv.take_transfers().copies == (KVCopy(src=1, dst=3, num_tokens=2),)
     assert kv.pool.blocks[0].ref_cnt == 2 and kv.pool.blocks[1].ref_cnt == 2  # shared + pinned source
-    kv.release_copy_sources()
+    kv.release_step()
     assert kv.pool.blocks[1].ref_cnt == 1
     kv.check_integrity()
 

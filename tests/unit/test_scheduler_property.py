@@ -31,6 +31,7 @@ def workloads(draw):
         block_size=block_size, num_blocks=num_blocks, max_len=max_len, chunked=chunked, budget=budget,
         max_num_seqs=draw(st.integers(1, 8)),
         prefix=draw(st.booleans()), partial=draw(st.booleans()),
+        host_blocks=draw(st.sampled_from([0, 0, 2, 16])),
     )
     shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=max_len - 2))
     reqs = []
@@ -48,9 +49,9 @@ def workloads(draw):
 def run_workload(cfg, reqs, max_steps=3000):
     sched = Scheduler(
         SchedulerConfig(cfg["budget"], cfg["max_num_seqs"], cfg["max_len"], cfg["chunked"]),
-        CacheConfig(cfg["block_size"], cfg["num_blocks"], cfg["prefix"], cfg["partial"]),
+        CacheConfig(cfg["block_size"], cfg["num_blocks"], cfg["prefix"], cfg["partial"], cfg["host_blocks"]),
     )
-    runner = OracleRunner(cfg["num_blocks"], cfg["block_size"])
+    runner = OracleRunner(cfg["num_blocks"], cfg["block_size"], cfg["host_blocks"])
     objs, results = {}, {}
     for step in range(max_steps):
         for rid, prompt, max_tokens, arrive, abort_at, prio in reqs:
@@ -103,3 +104,4 @@ def test_hypothesis_covered_the_hard_cases():
     assert _TOTALS["preemptions"] > 0
     assert _TOTALS["prefix_hit_tokens"] > 0
     assert _TOTALS["partial_hit_tokens"] > 0
+    assert _TOTALS["host_hit_tokens"] > 0
