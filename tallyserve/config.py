@@ -70,6 +70,8 @@ class EngineArgs:
     kv_cache_memory_bytes: Optional[int] = None  # KV pool size on CPU (and on GPU, if given)
     kv_offload_bytes: Optional[int] = None  # host-memory KV tier for evicted prefix blocks
     max_logprobs: int = 20
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft, ...}
+    speculative_config: Optional[Any] = None
     enforce_eager: bool = False
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -92,6 +94,9 @@ class EngineArgs:
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _check_int("kv_offload_bytes", self.kv_offload_bytes, 0, optional=True)
         _check_int("max_logprobs", self.max_logprobs, 0)
+        from tallyserve.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")

@@ -77,6 +77,8 @@ class Request:
         # Prompt tokens served from the prefix cache at first admission (-1: not yet admitted).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Draft tokens proposed for the next step (speculative decoding); verified, never trusted.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,19 @@ def reference_output(prompt: list[int], max_tokens: int, eos: int | None = None)
     return out
 
 
+def verify_greedy(context: list[int], drafts) -> list[int]:
+    """Accepted drafts plus one token: exactly what plain greedy decoding would produce."""
+    ctx, out = list(context), []
+    for d in drafts:
+        t = next_token(ctx)
+        out.append(t)
+        ctx.append(t)
+        if t != d:
+            return out
+    out.append(next_token(ctx))
+    return out
+
+
 class OracleRunner:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
@@ -55,13 +68,13 @@ class OracleRunner:
         self.cache[batch.attn_meta.slot_mapping.numpy()] = batch.input_ids.numpy()
         sampled = {}
         for entry in so.requests:
-            end = entry.start_position + entry.num_tokens
+            end = entry.start_position + entry.num_tokens - entry.num_draft_tokens
             slots = [entry.block_ids[p // bs] * bs + p % bs for p in range(end)]
             seen = self.cache[slots].tolist()
             expected = contexts[entry.request_id][:end]
             if seen != expected:
                 raise AssertionError(f"{entry.request_id}: KV holds {seen}, context is {expected}")
             if entry.sample:
-                sampled[entry.request_id] = [next_token(seen)]
+                sampled[entry.request_id] = verify_greedy(seen, entry.draft_token_ids)
         self.steps += 1
         return batch, sampled

@@ -18,12 +18,22 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: tuple[int, ...]  # the input ids computed this step
+    token_ids: tuple[int, ...]  # the input ids computed this step (draft tokens last)
     start_position: int  # tokens already in the KV cache (positions start here)
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # this step reaches the end of the sequence: sample a token from its last row
     sampling_params: "SamplingParams"
     num_output_tokens: int  # tokens generated so far (seeds and min_tokens depend on it)
+    num_draft_tokens: int = 0  # trailing token_ids that are drafts to verify (sample=True then)
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else ()
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose logits are needed: the last one, plus one per draft token."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
     @property
     def num_tokens(self) -> int:

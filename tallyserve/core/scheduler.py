@@ -29,6 +29,9 @@ class SchedulerStats:
     partial_hit_tokens: int = 0
     preemptions: int = 0
     host_hit_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -86,7 +89,8 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            n = ledger.charge(ledger.query_tokens(req.num_tokens, req.num_computed_tokens), budget, chunked=True)
+            needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))
+            n = ledger.charge(needed, budget, chunked=True)  # drafts are trimmed to fit, never overshoot
             if n == 0:
                 idx += 1
                 continue
@@ -131,7 +135,7 @@ class Scheduler:
 
     def _admit(self, req: Request, hit, budget: int) -> int:
         """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge."""
-        needed = ledger.query_tokens(req.num_tokens, hit.num_tokens)
+        needed = ledger.query_tokens(req.num_tokens, hit.num_tokens, len(req.spec_token_ids))
         n = ledger.charge(needed, budget, self.config.enable_chunked_prefill)
         if n == 0 or not self.kv.allocate_slots(req, n, hit):
             return 0
@@ -142,6 +146,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.preemptions += 1
@@ -152,17 +157,21 @@ class Scheduler:
         for rid, n in scheduled.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
+            num_real = min(n, req.num_tokens - start)
+            drafts = req.spec_token_ids[: n - num_real]
             entries.append(
                 ScheduledRequest(
                     request_id=rid,
-                    token_ids=tuple(req.all_token_ids[start:start + n]),
+                    token_ids=tuple(req.all_token_ids[start:start + num_real]) + tuple(drafts),
                     start_position=start,
                     block_ids=self.kv.block_ids(rid),
-                    sample=start + n == req.num_tokens,
+                    sample=start + num_real == req.num_tokens,
                     sampling_params=req.sampling_params,
                     num_output_tokens=req.num_output_tokens,
+                    num_draft_tokens=len(drafts),
                 )
             )
+            req.spec_token_ids = []
         total = sum(scheduled.values())
         self._step_id += 1
         if entries:
@@ -179,23 +188,34 @@ class Scheduler:
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish stopped requests."""
+        """Advance computed tokens, append sampled tokens, finish stopped requests.
+
+        With drafts, `sampled[rid]` holds the accepted drafts plus one token; the KV of rejected
+        drafts is not counted as computed (their slots are simply overwritten later).
+        """
         finished = []
         for entry in output.requests:
             req = self.requests.get(entry.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += entry.num_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            if not entry.sample:
-                continue
-            for token in sampled.get(entry.request_id, ()):
+            tokens = sampled.get(entry.request_id, ()) if entry.sample else ()
+            if entry.num_draft_tokens:
+                self.stats.spec_proposed += entry.num_draft_tokens
+                self.stats.spec_accepted += len(tokens) - 1
+                self.stats.spec_verify_steps += 1
+            rejected = entry.num_draft_tokens - max(len(tokens) - 1, 0)
+            req.num_computed_tokens += entry.num_tokens - rejected
+            status = None
+            for token in tokens:
                 req.all_token_ids.append(token)
                 status = self._check_stop(req)
                 if status is not None:
-                    self._finish(req, status)
-                    finished.append(req)
                     break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1 if tokens else req.num_tokens)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
         self.kv.release_step()
         if not self.requests:
             self.kv.check_integrity()  # cheap while idle: free + cached + in use == total
@@ -215,6 +235,22 @@ class Scheduler:
             failed.append(req)
         self.kv.release_step()
         return failed
+
+    def set_draft_tokens(self, request_id: str, draft_token_ids: list[int]) -> None:
+        """Drafts for the next step, trimmed so verification never runs past max_tokens or max_model_len."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return
+        room = min(req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 1
+        req.spec_token_ids = list(draft_token_ids[: max(room, 0)])
+
+    def reserve_lookahead(self, request_id: str, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` slots past the computed ones (a draft model writes its KV there)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RUNNING:
+            return False
+        num_tokens = min(num_tokens, self.config.max_model_len - req.num_computed_tokens)
+        return self.kv.allocate_slots(req, num_tokens)
 
     def _check_stop(self, req: Request) -> Optional[RequestStatus]:
         sp, last = req.sampling_params, req.all_token_ids[-1]

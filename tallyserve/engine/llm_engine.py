@@ -13,6 +13,7 @@ from tallyserve.core import ledger
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
+from tallyserve.engine.spec_runner import SpecDecodeRunner
 from tallyserve.models.loader import load_model, resolve_model
 from tallyserve.outputs import RequestOutput
 from tallyserve.attention.backend import get_attn_backend
@@ -25,6 +26,7 @@ from tallyserve.runner.model_runner import (
     resolve_device,
     resolve_dtype,
 )
+from tallyserve.runner.rejection_sampler import TokenSample, verify_drafts
 from tallyserve.runner.sampler import Sampler
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
@@ -50,16 +52,20 @@ class LLMEngine:
         self.served_model_name = args.served_model_name or resolved.served_name
         self.tokenizer: Optional[Tokenizer] = load_tokenizer(args.tokenizer or resolved.tokenizer_dir)
         torch.manual_seed(args.seed)
-        model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed, get_attn_backend("torch"))
-        num_blocks = determine_num_blocks(args, mc, self.device, self.dtype)
+        model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed,
+                           get_attn_backend("auto", self.device))
+        num_blocks = determine_num_blocks(args, mc, self.device, self.dtype, model)
         host_blocks = num_host_blocks(args, mc, self.dtype) if args.enable_prefix_caching else 0
         self.config = args.resolve(mc, num_blocks, host_blocks)
         self.model_config = mc
         cc, sc = self.config.cache_config, self.config.scheduler_config
         self.scheduler = Scheduler(sc, cc)
-        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype, host_blocks)
+        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype, host_blocks,
+                                  use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
+                                  max_model_len=sc.max_model_len)
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(args.seed))
         self.eos_token_ids = self._eos_ids()
+        self.spec = SpecDecodeRunner.create(args, self, num_blocks) if args.speculative_config else None
         self._parents: dict[str, ParentState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
@@ -179,38 +185,64 @@ class LLMEngine:
             self._fail_step(so, exc, touched)
             return outputs + self._collect_finished(touched)
         t4 = time.perf_counter()
-        finished = self.scheduler.update(so, {rid: [out.token_ids[row]] for rid, (row, out) in sampled.items()})
-        for rid, (row, out) in sampled.items():
-            seq = self._seqs[rid]
-            record_logprobs(seq, out, row, self.tokenizer)
-            self._detokenize(seq)
-            touched[seq.parent_id] = self._parents[seq.parent_id]
+        finished = self.scheduler.update(so, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
+        for rid, toks in sampled.items():
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                self._emit_tokens(seq, toks)
+                touched[seq.parent_id] = self._parents[seq.parent_id]
         for req in finished:
-            seq = self._seqs[req.request_id]
-            self._finish_seq(seq, req)
-            touched[seq.parent_id] = self._parents[seq.parent_id]
+            seq = self._seqs.get(req.request_id)
+            if seq is not None:
+                self._finish_seq(seq, req)
+                touched[seq.parent_id] = self._parents[seq.parent_id]
+        if self.spec is not None:
+            self.spec.after_step(so, finished)
         self.timings["update"] += time.perf_counter() - t4
         return outputs + self._collect_finished(touched)
 
-    def _sample(self, so: SchedulerOutput, batch: ForwardBatch, logits: torch.Tensor):
-        rows = [e for e in so.requests if e.sample]
-        for i, e in enumerate(rows):
+    def _sample(self, so: SchedulerOutput, batch: ForwardBatch, logits: torch.Tensor) -> dict[str, list[TokenSample]]:
+        entries = [e for e in so.requests if e.sample]
+        row, plain, plain_rows, result = 0, [], [], {}
+        for e in entries:
+            n = e.num_sample_rows
             if e.num_output_tokens < e.sampling_params.min_tokens:
                 banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
                 if banned:
-                    logits[i, banned] = float("-inf")
-        params = [e.sampling_params for e in rows]
-        gens = [self._seqs[e.request_id].generator for e in rows]
-        out = self.sampler.sample(logits, params, gens)
-        return {e.request_id: (i, out) for i, e in enumerate(rows)}
+                    logits[row:row + n, banned] = float("-inf")
+            if e.num_draft_tokens:
+                gen = self._seqs[e.request_id].generator or self.sampler._shared_generator(logits.device)
+                q = self.spec.draft_probs(e.request_id, e.num_draft_tokens)
+                result[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params, gen, q)
+            else:
+                plain.append(e)
+                plain_rows.append(row)
+            row += n
+        if plain:
+            sub = logits if len(plain_rows) == logits.shape[0] else logits[torch.tensor(plain_rows, device=logits.device)]
+            gens = [self._seqs[e.request_id].generator for e in plain]
+            out = self.sampler.sample(sub, [e.sampling_params for e in plain], gens)
+            for i, e in enumerate(plain):
+                result[e.request_id] = [TokenSample(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
+        return result
 
-    def _detokenize(self, seq: SequenceState) -> None:
+    def _emit_tokens(self, seq: SequenceState, samples: list[TokenSample]) -> None:
+        """Logprobs and stop-safe text for the tokens the scheduler appended this step."""
         req = seq.request
-        seq.text += seq.detokenizer.update([req.all_token_ids[-1]])  # stop-safe text only
-        if seq.detokenizer.finished and not req.is_finished():
-            req.stop_reason = seq.detokenizer.stop_reason
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            self._finish_seq(seq, req)
+        new = req.output_token_ids[seq.num_emitted:]
+        for i, token in enumerate(new):
+            record_logprobs(seq, samples[i], self.tokenizer)
+            seq.num_emitted += 1
+            seq.text += seq.detokenizer.update([token])  # stop-safe text only
+            if seq.detokenizer.finished:
+                del req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:]
+                if not req.is_finished():
+                    req.stop_reason = seq.detokenizer.stop_reason
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    self._finish_seq(seq, req)
+                    if self.spec is not None:
+                        self.spec.forget(req.request_id)
+                return
 
     def _finish_seq(self, seq: SequenceState, req: Request) -> None:
         if seq.finish_reason is not None:
@@ -265,6 +297,12 @@ class LLMEngine:
             host_blocks_offloaded=host.num_offloaded if host else 0,
             host_blocks_restored=self.scheduler.stats.host_hit_tokens // s.kv.block_size,
             kv_bytes_moved=self.runner.bytes_moved,
+        )
+        st = self.scheduler.stats
+        out.update(
+            spec_acceptance_rate=st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0,
+            spec_mean_tokens_per_step=(st.spec_accepted + st.spec_verify_steps) / st.spec_verify_steps
+            if st.spec_verify_steps else 0.0,
         )
         out["timings_s"] = dict(self.timings)
         return out

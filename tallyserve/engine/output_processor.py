@@ -9,7 +9,7 @@ import torch
 
 from tallyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tallyserve.request import Request
-from tallyserve.runner.sampler import SamplerOutput
+from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -26,6 +26,7 @@ class SequenceState:
     text: str = ""
     logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: float = 0.0
+    num_emitted: int = 0  # output tokens already detokenized and reported
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
 
@@ -74,18 +75,15 @@ def make_detokenizer(tokenizer: Optional[Tokenizer], request: Request) -> Increm
     return IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params)
 
 
-def record_logprobs(seq: SequenceState, out: SamplerOutput, row: int, tokenizer: Optional[Tokenizer]) -> None:
-    token = out.token_ids[row]
-    seq.cumulative_logprob += out.logprobs[row]
+def record_logprobs(seq: SequenceState, sample: TokenSample, tokenizer: Optional[Tokenizer]) -> None:
+    seq.cumulative_logprob += sample.logprob
     if seq.request.sampling_params.logprobs is None:
         return
-    entry: dict[int, Logprob] = {}
-    top = out.top_logprobs[row] or []
-    for rank, (tid, lp) in enumerate(top, start=1):
-        entry[tid] = Logprob(lp, rank, _piece(tokenizer, tid))
-    if token not in entry:
-        rank = next((i for i, (t, _) in enumerate(top, 1) if t == token), None)
-        entry = {token: Logprob(out.logprobs[row], rank, _piece(tokenizer, token)), **entry}
+    top = sample.top_logprobs or []
+    rank = next((i for i, (t, _) in enumerate(top, 1) if t == sample.token_id), None)
+    entry = {sample.token_id: Logprob(sample.logprob, rank, _piece(tokenizer, sample.token_id))}
+    for r, (tid, lp) in enumerate(top, start=1):
+        entry.setdefault(tid, Logprob(lp, r, _piece(tokenizer, tid)))
     if seq.logprobs is None:
         seq.logprobs = []
     seq.logprobs.append(entry)

@@ -11,13 +11,36 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.core.sched_output import SchedulerOutput
 
 
+def _upload(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Tensors of ``arrays`` (cast to ``dtype``) on ``device``. On CUDA they are packed into one
+    pinned host buffer and moved by ONE non-blocking copy (views of it come back); the caching host
+    allocator keeps the buffer alive until the copy has run. On the CPU: zero-copy ``from_numpy``."""
+    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)).to(device) for a in arrays]
+    sizes = [a.size for a in arrays]
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+    flat = host.numpy()
+    offset = 0
+    for a, n in zip(arrays, sizes):
+        flat[offset:offset + n] = a.reshape(-1)
+        offset += n
+    dev = host.to(device, non_blocking=True)
+    out, offset = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(dev[offset:offset + n].view(a.shape))
+        offset += n
+    return out
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) rows whose logits are sampled
-    sample_request_ids: tuple[str, ...]  # request of each sampled row, in order
+    logits_indices: torch.Tensor  # (S,) rows whose logits are sampled (1 + drafts per sampling request)
+    sample_request_ids: tuple[str, ...]  # requests that sample, in order
+    sample_row_counts: tuple[int, ...]  # logits rows of each of them
     num_tokens: int
 
     @classmethod
@@ -40,12 +63,18 @@ class ForwardBatch:
         block_of_row = table[req_of_row, positions // block_size]
         slot_mapping = block_of_row * block_size + positions % block_size
         seq_lens = starts + query_lens
-        sample_rows = [int(cu[i + 1]) - 1 for i, r in enumerate(reqs) if r.sample]
+        sample_rows = [
+            row for i, r in enumerate(reqs) if r.sample for row in range(int(cu[i + 1]) - r.num_sample_rows, int(cu[i + 1]))
+        ]
+        # one pinned host->device copy per dtype on CUDA (see _upload)
+        ids_t, positions_t, slots_t, sample_t = _upload(
+            [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64)], torch.int64, device)
+        cu_t, seq_lens_t, table_t = _upload([cu, seq_lens, table], torch.int32, device)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(table.astype(np.int32)).to(device, non_blocking=True),
+            slot_mapping=slots_t,
+            query_start_loc=cu_t,
+            seq_lens=seq_lens_t,
+            block_tables=table_t,
             query_start_loc_cpu=tuple(int(x) for x in cu),
             seq_lens_cpu=tuple(int(x) for x in seq_lens),
             block_size=block_size,
@@ -53,10 +82,11 @@ class ForwardBatch:
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
         )
         return cls(
-            input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
-            positions=torch.from_numpy(positions).to(device, non_blocking=True),
+            input_ids=ids_t,
+            positions=positions_t,
             attn_meta=meta,
-            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            logits_indices=sample_t,
             sample_request_ids=tuple(r.request_id for r in reqs if r.sample),
+            sample_row_counts=tuple(r.num_sample_rows for r in reqs if r.sample),
             num_tokens=num_tokens,
         )

@@ -1,0 +1,87 @@
+"""SpecDecodeRunner: proposes draft tokens after each step for the next one.
+
+Drafts go to the scheduler (`set_draft_tokens`), which charges `1 + num_draft_tokens` through the
+ledger and trims drafts to the budget; the engine verifies them with the rejection sampler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.request import Request, RequestStatus
+from tallyserve.spec_decode.config import SpeculativeConfig
+from tallyserve.spec_decode.draft_model import DraftModelProposer, DraftRequest
+from tallyserve.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from tallyserve.config import EngineArgs
+    from tallyserve.engine.llm_engine import LLMEngine
+
+
+class SpecDecodeRunner:
+    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine",
+                 ngram: Optional[NgramProposer], draft: Optional[DraftModelProposer]) -> None:
+        self.config = config
+        self.engine = engine
+        self.ngram = ngram
+        self.draft = draft
+        self._probs: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def create(cls, args: "EngineArgs", engine: "LLMEngine", num_blocks: int) -> "SpecDecodeRunner":
+        cfg: SpeculativeConfig = args.speculative_config
+        if cfg.method == "ngram":
+            return cls(cfg, engine, NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                                  cfg.prompt_lookup_max), None)
+        from tallyserve.attention.backend import get_attn_backend
+        from tallyserve.models.loader import load_model, resolve_model
+
+        resolved = resolve_model(cfg.model, "auto")
+        if resolved.model_config.vocab_size != engine.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size ({resolved.model_config.vocab_size}) differs from the "
+                f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
+            )
+        model = load_model(resolved, "auto", engine.dtype, engine.device, args.seed, get_attn_backend("torch"))
+        proposer = DraftModelProposer(model, num_blocks, engine.config.cache_config.block_size, engine.device,
+                                      engine.dtype, cfg.num_speculative_tokens, args.seed)
+        return cls(cfg, engine, None, proposer)
+
+    def draft_probs(self, request_id: str, num_drafts: int) -> Optional[torch.Tensor]:
+        """Proposal distributions of the drafts being verified (None: point masses, as for n-grams)."""
+        probs = self._probs.pop(request_id, None)
+        return None if probs is None else probs[:num_drafts]
+
+    def forget(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_id)
+
+    def after_step(self, so: SchedulerOutput, finished: list[Request]) -> None:
+        for rid in so.preempted_request_ids:
+            self.forget(rid)
+        for req in finished:
+            self.forget(req.request_id)
+        sched = self.engine.scheduler
+        ready = []
+        for entry in so.requests:
+            req = sched.requests.get(entry.request_id)
+            if entry.sample and req is not None and req.status == RequestStatus.RUNNING:
+                if req.num_computed_tokens == req.num_tokens - 1:
+                    ready.append(req)
+        if self.ngram is not None:
+            for req in ready:
+                sched.set_draft_tokens(req.request_id, self.ngram.propose(req.all_token_ids))
+            return
+        k = self.config.num_speculative_tokens
+        batch = [
+            DraftRequest(r.request_id, r.all_token_ids, sched.kv.block_ids(r.request_id), r.sampling_params)
+            for r in ready
+            if sched.reserve_lookahead(r.request_id, k)  # the draft writes its KV into these slots
+        ]
+        for rid, (drafts, probs) in self.draft.propose(batch).items():
+            sched.set_draft_tokens(rid, drafts)
+            self._probs[rid] = probs

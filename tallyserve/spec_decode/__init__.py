@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers. Verification lives in runner/rejection_sampler.py."""
