@@ -13,7 +13,11 @@ def __getattr__(name: str):
         from tallyserve.engine.llm import LLM
 
         return LLM
+    if name in ("BeamSearchParams", "BeamSearchOutput"):
+        from tallyserve.engine import beam_search
+
+        return getattr(beam_search, name)
     raise AttributeError(f"module 'tallyserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]

@@ -197,6 +197,28 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = leading
         return True
 
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give `child` the parent's computed KV: full blocks shared by reference, the partially
+        filled last block copied (copy-on-write). False (nothing changed) if no block is free."""
+        if child.request_id in self._req_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = self._req_blocks.get(parent.request_id, [])
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        table = blocks[:num_full]
+        self.pool.touch(table)
+        if partial:
+            src = blocks[num_full]
+            self.pool.touch([src])  # pinned until the step that copies it has run
+            self._copy_sources.append(src)
+            (dst,) = self.pool.get_new_blocks(1)
+            self._copies.append(KVCopy(src.block_id, dst.block_id, partial))
+            table = table + [dst]
+        self._req_blocks[child.request_id] = list(table)
+        self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), num_full)
+        return True
+
     def _offload(self, block_id: int, block_hash: int) -> None:
         host = self.host.offload(block_hash)
         if host is not None:

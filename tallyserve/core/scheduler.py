@@ -236,6 +236,32 @@ class Scheduler:
         self.kv.release_step()
         return failed
 
+    def fork_request(self, parent_id: str, child_id: str) -> Request:
+        """A copy of a request sharing its computed KV (beam search). Raises ValueError if the
+        pool has no block for the copy-on-write of the parent's partial last block."""
+        parent = self.requests[parent_id]
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, max_tokens=parent.max_tokens,
+                        eos_token_ids=parent.eos_token_ids, priority=parent.priority, arrival_time=parent.arrival_time)
+        child.arrival_seq = parent.arrival_seq
+        child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        if parent.status == RequestStatus.RUNNING:
+            if not self.kv.fork(parent, child):
+                raise ValueError("the KV cache has no free block for a beam; lower beam_width or add memory")
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:  # the parent was preempted: the copy recomputes its context too
+            bisect.insort(self.waiting, child, key=lambda r: r.sort_key)
+        self.requests[child_id] = child
+        return child
+
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """Extend a request whose next token was chosen outside the sampler (beam search)."""
+        self.requests[request_id].all_token_ids.append(token_id)
+
     def set_draft_tokens(self, request_id: str, draft_token_ids: list[int]) -> None:
         """Drafts for the next step, trimmed so verification never runs past max_tokens or max_model_len."""
         req = self.requests.get(request_id)

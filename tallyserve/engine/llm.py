@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -11,6 +11,9 @@ from tallyserve.config import EngineArgs
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
 
@@ -81,6 +84,29 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in ids]
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: "BeamSearchParams",
+                    use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+        """Beam search for each prompt; each output's `sequences` are the best `beam_width`, best first."""
+        from tallyserve.engine.beam_search import BeamSearchParams as _Params
+
+        if not isinstance(params, _Params):
+            raise ValueError("beam_search needs a BeamSearchParams")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.engine
+        ids = []
+        for prompt in prompts:
+            rid = str(next(self._ids))
+            engine.add_beam_search_request(rid, prompt, params)
+            ids.append(rid)
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="Beam search")
+        while any(rid not in engine.beams.outputs for rid in ids) and engine.has_unfinished_requests():
+            engine.step()
+            bar.n = sum(rid in engine.beams.outputs for rid in ids)
+            bar.refresh()
+        bar.close()
+        return [engine.beams.outputs.pop(rid) for rid in ids]
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

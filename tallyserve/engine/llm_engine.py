@@ -12,6 +12,7 @@ from tallyserve.config import EngineArgs
 from tallyserve.core import ledger
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
 from tallyserve.engine.spec_runner import SpecDecodeRunner
 from tallyserve.models.loader import load_model, resolve_model
@@ -66,6 +67,7 @@ class LLMEngine:
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(args.seed))
         self.eos_token_ids = self._eos_ids()
         self.spec = SpecDecodeRunner.create(args, self, num_blocks) if args.speculative_config else None
+        self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
         self._parents: dict[str, ParentState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
@@ -151,7 +153,11 @@ class LLMEngine:
             self._pending.append(self._pop_if_finished(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending)
+        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups)
+
+    def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
+        _, ids = self.process_prompt(prompt)
+        self.beams.add(request_id, ids, params)
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -161,6 +167,9 @@ class LLMEngine:
         self.timings["schedule"] += t1 - t0
         outputs, self._pending = self._pending, []
         if so.is_empty:
+            if so.kv_transfers:  # e.g. copy-on-write of forked beams queued since the last step
+                self.runner.apply_transfers(so.kv_transfers)
+                self.scheduler.update(so, {})
             return outputs
         touched: dict[str, ParentState] = {}
         try:
@@ -198,6 +207,7 @@ class LLMEngine:
                 touched[seq.parent_id] = self._parents[seq.parent_id]
         if self.spec is not None:
             self.spec.after_step(so, finished)
+        self.beams.after_step()
         self.timings["update"] += time.perf_counter() - t4
         return outputs + self._collect_finished(touched)
 
@@ -206,6 +216,10 @@ class LLMEngine:
         row, plain, plain_rows, result = 0, [], [], {}
         for e in entries:
             n = e.num_sample_rows
+            if self.beams.owns(e.request_id):  # beam search picks tokens per group, after the step
+                self.beams.record(e.request_id, logits[row])
+                row += n
+                continue
             if e.num_output_tokens < e.sampling_params.min_tokens:
                 banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
                 if banned:
@@ -264,6 +278,9 @@ class LLMEngine:
             logger.exception("engine step %d failed", so.step_id)
         msg = f"{type(exc).__name__}: {exc}"
         for req in self.scheduler.fail_step(so, msg, transfers_ran):
+            if self.beams.owns(req.request_id):
+                self.beams.fail(req.request_id, msg)
+                continue
             seq = self._seqs[req.request_id]
             self._finish_seq(seq, req)
             parent = self._parents[seq.parent_id]

@@ -1,0 +1,80 @@
+"""Beam search equals Hugging Face `generate(num_beams=...)` on tiny random models; beams share
+prompt blocks (copy-on-write for the partial last block) and each step charges beam_width tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tallyserve import LLM, BeamSearchParams
+from tests.tiny_models import load_hf_model, make_tiny_model
+
+PROMPTS = [[5, 9, 13], list(range(20, 37)), [100, 7, 3, 9, 200, 4]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return path, load_hf_model(path)
+
+
+def _hf_beams(hf, prompt, width, max_tokens, lp, eos):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
+                      max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                      length_penalty=lp)
+    return [row[len(prompt):].tolist() for row in out]
+
+
+@pytest.mark.parametrize("width, lp, engine_kw", [
+    (2, 1.0, dict(block_size=4)),
+    (3, 0.0, dict(block_size=8, max_num_batched_tokens=8)),
+    (4, 2.0, dict(block_size=4, enable_prefix_caching=False)),
+])
+def test_beam_search_equals_transformers(tiny, width, lp, engine_kw):
+    path, hf = tiny
+    llm = LLM(model=path, **engine_kw)
+    eos = list(llm.engine.eos_token_ids)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                           BeamSearchParams(beam_width=width, max_tokens=9, length_penalty=lp))
+    for prompt, out in zip(PROMPTS, outs):
+        refs = _hf_beams(hf, prompt, width, 9, lp, eos)
+        assert len(out.sequences) == width
+        for seq, ref in zip(out.sequences, refs):
+            gen = seq.tokens[len(prompt):]
+            assert seq.tokens[: len(prompt)] == prompt
+            assert ref[: len(gen)] == gen and all(t == eos[0] for t in ref[len(gen):]), (gen, ref)
+        scores = [s.score for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+    s = llm.stats()
+    assert s["scheduled_tokens"] == s["forward_tokens"] and s["ledger_violations"] == 0
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    llm.engine.scheduler.kv.check_integrity()
+
+
+def test_beams_share_blocks_and_charge_width_per_step(tiny):
+    path, _ = tiny
+    llm = LLM(model=path, block_size=4)
+    steps, shared = [], []
+
+    def observe(so):
+        steps.append(so.total_tokens)
+        tables = [e.block_ids for e in so.requests]
+        if len(tables) > 1:
+            shared.append(len(set(tables[0]) & set(tables[1])))
+
+    llm.engine.fault_injector = observe
+    prompt = list(range(30, 47))  # 17 tokens: 4 full blocks + 1 partial
+    llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    assert steps[0] == len(prompt)  # the prompt is computed once, not once per beam
+    assert all(t == 3 for t in steps[2:])  # then beam_width tokens per step
+    assert max(shared) >= 4  # the prompt's full blocks are shared by reference
+
+
+def test_beam_search_bad_params():
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
