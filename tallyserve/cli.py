@@ -14,8 +14,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every EngineArgs field as a --kebab-case flag (booleans as --flag / --no-flag)."""
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "extra":
-            continue
         flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=f.name)
@@ -30,7 +28,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     given = {
         f.name: getattr(ns, f.name)
         for f in dataclasses.fields(EngineArgs)
-        if f.name != "extra" and getattr(ns, f.name, None) is not None
+        if getattr(ns, f.name, None) is not None
     }
     if getattr(ns, "kv_offload_gb", None) is not None:
         given["kv_offload_bytes"] = int(ns.kv_offload_gb * (1 << 30))
@@ -46,7 +44,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
         seed=ns.sampling_seed, n=ns.n, stop=ns.stop or None, ignore_eos=ns.ignore_eos,
     )
-    llm = LLM(**dataclasses.asdict(args))
+    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
     if ns.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompts], params)
     else:
@@ -86,7 +84,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_generate_parser]
 
 
 def _load_optional_subcommands() -> None:
-    for mod in ("tallyserve.server.cli", "tallyserve.bench.cli", "tallyserve.sim.cli"):
+    for mod in ("tallyserve.server.cli", "tallyserve.bench.cli", "tallyserve.sim.cli", "tallyserve.profile"):
         try:
             __import__(mod)
         except ImportError:

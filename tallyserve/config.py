@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from tallyserve.models.model_config import ModelConfig
@@ -73,7 +73,6 @@ class EngineArgs:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft, ...}
     speculative_config: Optional[Any] = None
     enforce_eager: bool = False
-    extra: dict = field(default_factory=dict, repr=False)
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
@@ -142,4 +141,4 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        return [f.name for f in dataclasses.fields(cls)]

@@ -37,6 +37,8 @@ class LLM:
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompt must be a string, a dict or a list of them, got {type(prompts).__name__}")
         return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]], sampling_params: Params = None,
