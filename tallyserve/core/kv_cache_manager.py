@@ -91,6 +91,7 @@ class KVCacheManager:
         if self.host is not None:
             self.pool.on_evict = self._offload
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ints (read every step)
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
         self._copies: list[KVCopy] = []
         self._offloads: list[KVCopy] = []
@@ -108,7 +109,7 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(b.block_id for b in self._req_blocks.get(request_id, ()))
+        return tuple(self._req_block_ids.get(request_id, ()))
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -163,7 +164,9 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks:
             return False
         if need > 0:
-            blocks.extend(self.pool.get_new_blocks(need))
+            new = self.pool.get_new_blocks(need)
+            blocks.extend(new)
+            self._req_block_ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         return True
 
     def _admit(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
@@ -193,6 +196,7 @@ class KVCacheManager:
             self._copy_sources.append(hit.partial_src)
             self._copies.append(KVCopy(hit.partial_src.block_id, rest[0].block_id, hit.num_partial_tokens))
         self._req_blocks[request.request_id] = table + rest
+        self._req_block_ids[request.request_id] = [b.block_id for b in table + rest]
         leading = next((i for i, b in enumerate(hit.blocks) if b is None), len(hit.blocks))
         self._num_cached_blocks[request.request_id] = leading
         return True
@@ -216,6 +220,7 @@ class KVCacheManager:
             self._copies.append(KVCopy(src.block_id, dst.block_id, partial))
             table = table + [dst]
         self._req_blocks[child.request_id] = list(table)
+        self._req_block_ids[child.request_id] = [b.block_id for b in table]
         self._num_cached_blocks[child.request_id] = min(self._num_cached_blocks.get(parent.request_id, 0), num_full)
         return True
 
@@ -251,8 +256,10 @@ class KVCacheManager:
         blocks = self._req_blocks.get(rid)
         if blocks is None:
             return
-        self._update_block_hashes(request)
         start, end = self._num_cached_blocks.get(rid, 0), num_computed_tokens // self.block_size
+        if end <= start:
+            return
+        self._update_block_hashes(request)
         bs, tokens = self.block_size, request.all_token_ids
         for i in range(start, end):
             parent = request.block_hashes[i - 1] if i else ROOT_HASH
@@ -263,6 +270,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return a request's blocks; tail blocks first, so they are evicted before shared prefixes."""
         blocks = self._req_blocks.pop(request.request_id, None)
+        self._req_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
@@ -271,7 +279,9 @@ class KVCacheManager:
         """Pool integrity, and every reference is held by a request or a pinned copy source."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
+        for rid, blocks in self._req_blocks.items():
+            if self._req_block_ids.get(rid, []) != [b.block_id for b in blocks]:
+                raise AssertionError(f"request {rid!r}: block id table out of sync")
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self._copy_sources:

@@ -7,7 +7,7 @@ mutates a Request. Results return through `Scheduler.update(...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tallyserve.core.kv_cache_manager import KVTransfers
 
@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from tallyserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (a NamedTuple: immutable and cheap to build per step)."""
+
     request_id: str
     token_ids: tuple[int, ...]  # the input ids computed this step (draft tokens last)
     start_position: int  # tokens already in the KV cache (positions start here)
