@@ -131,11 +131,15 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="tallyserve-engine-loop", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop: unfinished requests end with EngineDeadError; join the thread."""
-        self._inbox.put(("stop",))
-        if self._thread is not None:
+    def shutdown(self, timeout: float = 5.0, reason: str = "the server shut down") -> None:
+        """Stop the loop: unfinished requests are aborted and end with EngineDeadError. If the loop
+        does not stop within `timeout` (stuck in a step), its requests are failed from here."""
+        self._inbox.put(("stop", reason))
+        if self._thread is not None and self._dead_reason is None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("engine loop did not stop within %.1fs; failing its requests", timeout)
+        self._fail_all(reason)
 
     @property
     def is_running(self) -> bool:
@@ -158,8 +162,8 @@ class AsyncLLMEngine:
         return self._stats
 
     def num_waiting(self) -> int:
-        """Requests not yet running: waiting in the scheduler's last snapshot, plus those
-        submitted since (still in the inbox or added after the snapshot)."""
+        """Requests waiting in the scheduler's last snapshot, plus those submitted since (still in
+        the inbox, or added and in their first step): the length of the queue max_queue_len caps."""
         with self._lock:
             return self._num_waiting_locked()
 
@@ -216,7 +220,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         reason = "stopped"
         try:
-            self._loop()
+            reason = self._loop()
         except _LoopKilled:
             reason = "killed by injected fault"
             logger.error("engine loop killed by an injected fault")
@@ -226,13 +230,15 @@ class AsyncLLMEngine:
         finally:
             self._fail_all(reason)
 
-    def _loop(self) -> None:
+    def _loop(self) -> str:
+        """Step while there is work; returns the reason it was asked to stop."""
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
-            if not self._drain_inbox(block=not busy):
+            stop_reason = self._drain_inbox(block=not busy)
+            if stop_reason is not None:
                 self._stop_engine()
-                return
+                return stop_reason
             if not engine.has_unfinished_requests():
                 self._heartbeat = time.monotonic()
                 continue
@@ -245,18 +251,18 @@ class AsyncLLMEngine:
                 self.step_observer(stats["scheduled_tokens"] - before)
             self._dispatch(outputs)
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop. Blocks briefly when idle."""
+    def _drain_inbox(self, block: bool) -> Optional[str]:
+        """Apply queued commands; the reason when asked to stop. Blocks briefly when idle."""
         while True:
             try:
                 cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
             except queue.Empty:
                 if block:
                     self._publish_stats(self._admitted)
-                return True
+                return None
             block = False
             if cmd[0] == "stop":
-                return False
+                return cmd[1]
             getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
 
     def _publish_stats(self, admitted: int) -> dict[str, Any]:
@@ -326,13 +332,15 @@ class AsyncLLMEngine:
                 pass  # that event loop is closed: its consumers are gone
 
     def _stop_engine(self) -> None:
-        ids = list(self._streams)
+        with self._lock:
+            ids = list(self._streams)
         if ids:
             self.engine.abort_request(ids)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
-            self._dead_reason = reason
+            if self._dead_reason is None:
+                self._dead_reason = reason
             streams = list(self._streams.values())
             self._streams.clear()
             self._unadmitted = 0

@@ -52,7 +52,7 @@ class ParentState:
                 text=c.text,
                 token_ids=c.request.output_token_ids,
                 cumulative_logprob=c.cumulative_logprob if self.params.logprobs is not None else None,
-                logprobs=c.logprobs,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,  # a snapshot
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )

@@ -1,0 +1,130 @@
+"""Prometheus metrics, all named `tallyserve_*`, in a per-app CollectorRegistry.
+
+Request-level metrics (finish reasons, latencies, tokens) are recorded by the server as requests
+end. Engine-level ones (queue gauges, KV blocks, prefix hits, preemptions, ledger violations) are
+read at scrape time from the stats snapshot the engine loop publishes after every step, so the
+event loop never touches the engine itself."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tallyserve.engine.async_engine import AsyncLLMEngine
+from tallyserve.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# stats key -> (metric name without _total, help)
+_ENGINE_COUNTERS = {
+    "steps": ("tallyserve_engine_steps", "Engine steps that scheduled work."),
+    "scheduled_tokens": ("tallyserve_scheduled_tokens", "Tokens the scheduler charged."),
+    "forward_tokens": ("tallyserve_forward_tokens", "Tokens the forward pass computed."),
+    "prefix_hit_tokens": ("tallyserve_prefix_hit_tokens", "Prompt tokens served from the prefix cache."),
+    "partial_hit_tokens": ("tallyserve_partial_hit_tokens", "Prompt tokens served from partially matching blocks."),
+    "preemptions": ("tallyserve_preemptions", "Requests preempted to free KV blocks."),
+    "ledger_violations": ("tallyserve_ledger_violations", "Steps whose built batch disagreed with the scheduler's charge."),
+    "step_errors": ("tallyserve_step_errors", "Engine steps that failed with an exception."),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Engine gauges and counters from the loop's latest stats snapshot."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.engine.stats()
+        total, free = int(s.get("num_total_blocks", 0)), int(s.get("num_free_blocks", 0))
+        gauges = [
+            ("tallyserve_num_requests_running", "Sequences running in the engine.", s.get("num_running", 0)),
+            ("tallyserve_num_requests_waiting", "Sequences waiting in the scheduler.", s.get("num_waiting", 0)),
+            ("tallyserve_kv_blocks_total", "KV cache blocks in the pool.", total),
+            ("tallyserve_kv_blocks_free", "KV cache blocks free (unreferenced, cached ones included).", free),
+            ("tallyserve_kv_blocks_in_use", "KV cache blocks referenced by requests.", total - free),
+            ("tallyserve_kv_blocks_cached", "KV cache blocks holding reusable prefix content.", s.get("num_cached_blocks", 0)),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        health = self.engine.health()
+        yield GaugeMetricFamily("tallyserve_engine_alive", "1 while the engine loop thread runs.", value=float(health.alive))
+        yield GaugeMetricFamily("tallyserve_engine_healthy", "1 while /health answers 200.", value=float(health.healthy))
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0)))
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tallyserve_requests", "Finished completions (one per choice) by finish reason.",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        self.http_errors = Counter("tallyserve_http_errors", "Error responses by HTTP status.", ["status"], registry=r)
+        self.prompt_tokens = Counter("tallyserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("tallyserve_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("tallyserve_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tallyserve_time_per_output_token_seconds", "Mean time between output tokens.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tallyserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_per_step = Histogram("tallyserve_tokens_per_step", "Tokens scheduled in each engine step.",
+                                         buckets=_TOKEN_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(engine))
+        engine.step_observer = self.tokens_per_step.observe
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Times one engine request (all its n choices) and records it once when it ends."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first_token: Optional[float] = None
+        self.last: Optional[RequestOutput] = None
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        self.last = out
+        if self.first_token is None and any(o.token_ids for o in out.outputs):
+            self.first_token = time.monotonic()
+
+    def finish(self, override_reason: Optional[str] = None) -> None:
+        """Record the request; override_reason ("abort", "error") for requests that did not end
+        normally. Safe to call more than once."""
+        if self.done:
+            return
+        self.done = True
+        m, end, out = self.metrics, time.monotonic(), self.last
+        outputs = out.outputs if out is not None else []
+        for o in outputs or [None]:
+            reason = override_reason or (o.finish_reason if o is not None else None) or "abort"
+            m.requests.labels(finish_reason=reason).inc()
+        if out is not None:
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+        generated = [len(o.token_ids) for o in outputs]
+        m.generation_tokens.inc(sum(generated))
+        if override_reason is not None:
+            return  # latencies describe completed requests only
+        m.e2e.observe(end - self.start)
+        if self.first_token is not None:
+            m.ttft.observe(self.first_token - self.start)
+            longest = max(generated, default=0)
+            if longest > 1:
+                m.tpot.observe((end - self.first_token) / (longest - 1))

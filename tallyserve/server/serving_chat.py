@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages through the model's chat template, one engine request."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tallyserve.outputs import RequestOutput
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.server.errors import bad_request
+from tallyserve.server.logprobs import chat_logprobs
+from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                        ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
+                                        UsageInfo, now, random_id)
+from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
+                                       check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
+                                       sampling_params, sse, stream_error_event, tracked)
+
+
+def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
+    check_model(ctx, req.model)
+    if req.tools:
+        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format",
+                          "unsupported_parameter")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    top = req.top_logprobs or 0
+    if req.logprobs and not 0 <= top <= min(20, ctx.engine.max_logprobs):
+        raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {top}",
+                          "top_logprobs")
+    alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias)
+
+
+def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    tok = ctx.engine.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer, so it has no chat template; use /v1/completions "
+                          "with token ids", "messages")
+    try:
+        return tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt is not False)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
+    params = _check_request(ctx, req)
+    ids = _prompt_ids(ctx, req)
+    check_prompt_ids(ctx, ids, params, "messages")
+    check_admission(ctx)
+    request_id = random_id("chatcmpl")
+    gens = [tracked(ctx, request_id, {"prompt_token_ids": ids}, params)]
+    if req.stream:
+        stream = await prime(raw, merged(gens))
+        return SSEResponse(_stream(ctx, req, request_id, params.n, stream))
+    out = (await collect(raw, gens))[0]
+    return JSONResponse(_response(ctx, req, request_id, out).model_dump())
+
+
+def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
+              out: RequestOutput) -> ChatCompletionResponse:
+    choices = []
+    for o in out.outputs:
+        lp = None
+        if req.logprobs and o.logprobs is not None:
+            lp = chat_logprobs(ctx.engine.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
+        choices.append(ChatChoice(index=o.index, message=ChatMessage(content=o.text), logprobs=lp,
+                                  finish_reason=o.finish_reason))
+    usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
+    return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
+
+
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, n: int,
+                  stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    created, model, include_usage = now(), ctx.served_model_name, req.include_usage
+
+    def chunk(index: int, delta: DeltaMessage, logprobs=None, finish_reason=None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        return chunk_sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]),
+                         include_usage)
+
+    progress = [ChoiceProgress() for _ in range(n)]
+    last = None
+    try:
+        for i in range(n):
+            yield chunk(i, DeltaMessage(role="assistant", content=""))
+        async for _, out in stream:
+            last = out
+            for o in out.outputs:
+                p = progress[o.index]
+                if p.finished:
+                    continue
+                delta, ids, lps = p.advance(o)
+                if delta or (req.logprobs and lps):
+                    lp = chat_logprobs(ctx.engine.tokenizer, ids, lps, req.top_logprobs or 0) if req.logprobs and lps is not None else None
+                    yield chunk(o.index, DeltaMessage(content=delta), lp)
+                if p.finished:
+                    yield chunk(o.index, DeltaMessage(), finish_reason=o.finish_reason)
+        if include_usage and last is not None:
+            usage = UsageInfo.of(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs))
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage))
+    except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
+        yield stream_error_event(exc)
+    finally:
+        await stream.aclose()  # a client that hung up: abort what still runs, now
+    yield SSE_DONE

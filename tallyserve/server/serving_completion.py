@@ -1,0 +1,134 @@
+"""POST /v1/completions: one engine request per prompt, n choices each (choice index = prompt * n + i)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tallyserve.outputs import RequestOutput
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.server.errors import bad_request
+from tallyserve.server.logprobs import completion_logprobs
+from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                        CompletionStreamResponse, UsageInfo, now, random_id)
+from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
+                                       check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
+                                       sampling_params, sse, stream_error_event, tracked)
+
+MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
+
+
+@dataclass
+class _Prompt:
+    text: Optional[str]
+    ids: list[int]
+
+    def echo_text(self, ctx: ServerContext) -> str:
+        if self.text is not None:
+            return self.text
+        tok = ctx.engine.tokenizer
+        return tok.decode(self.ids, skip_special_tokens=False) if tok is not None else ""
+
+
+def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> prompts with token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        tok = ctx.engine.tokenizer
+        if tok is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+        items = [_Prompt(t, tok.encode(t)) for t in texts]
+    elif prompt and isinstance(prompt[0], int):
+        items = [_Prompt(None, list(prompt))]
+    else:
+        items = [_Prompt(None, list(ids)) for ids in prompt]
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    return items
+
+
+def _check_request(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
+    check_model(ctx, req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
+    if req.logprobs is not None and req.logprobs > ctx.engine.max_logprobs:
+        raise bad_request(f"logprobs must be at most {ctx.engine.max_logprobs}, got {req.logprobs}", "logprobs")
+    return sampling_params(req, req.max_tokens, req.logprobs)
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
+    params = _check_request(ctx, req)
+    prompts = _prompts(ctx, req.prompt)
+    for p in prompts:
+        check_prompt_ids(ctx, p.ids, params, "prompt")
+    check_admission(ctx)
+    request_id = random_id("cmpl")
+    gens = [tracked(ctx, f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.ids}, params)
+            for i, p in enumerate(prompts)]
+    if req.stream:
+        stream = await prime(raw, merged(gens))
+        return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream))
+    outs = await collect(raw, gens)
+    return JSONResponse(_response(ctx, req, request_id, prompts, outs).model_dump())
+
+
+def _response(ctx: ServerContext, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
+              outs: list[RequestOutput]) -> CompletionResponse:
+    choices, completion_tokens = [], 0
+    n = req.n or 1
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        prefix = prompt.echo_text(ctx) if req.echo else ""
+        for o in out.outputs:
+            lp = None
+            if req.logprobs is not None and o.logprobs is not None:
+                lp, _ = completion_logprobs(ctx.engine.tokenizer, o.token_ids, o.logprobs, req.logprobs, len(prefix))
+            choices.append(CompletionChoice(index=i * n + o.index, text=prefix + o.text, logprobs=lp,
+                                            finish_reason=o.finish_reason))
+            completion_tokens += len(o.token_ids)
+    choices.sort(key=lambda c: c.index)
+    usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)
+    return CompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, prompts: list[_Prompt], n: int,
+                  stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    created, model, include_usage = now(), ctx.served_model_name, req.include_usage
+    progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
+    last: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in stream:
+            last[i] = out
+            for o in out.outputs:
+                p = progress[i * n + o.index]
+                if p.finished:
+                    continue
+                delta, ids, lps = p.advance(o)
+                if not delta and not p.finished and not (lps and req.logprobs is not None):
+                    continue
+                if req.echo and not p.started:
+                    delta = prompts[i].echo_text(ctx) + delta
+                p.started = True
+                lp = None
+                if req.logprobs is not None and lps is not None:
+                    lp, p.text_offset = completion_logprobs(ctx.engine.tokenizer, ids, lps, req.logprobs, p.text_offset)
+                choice = CompletionChoice(index=i * n + o.index, text=delta, logprobs=lp, finish_reason=o.finish_reason)
+                chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
+                yield chunk_sse(chunk, include_usage)
+        if include_usage:
+            usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in last.values()),
+                                 sum(len(c.token_ids) for o in last.values() for c in o.outputs))
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
+    except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
+        yield stream_error_event(exc)
+    finally:
+        await stream.aclose()  # a client that hung up: abort what still runs, now
+    yield SSE_DONE

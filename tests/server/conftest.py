@@ -1,0 +1,30 @@
+"""Fixtures of the server tests: one tiny random Llama with a ChatML tokenizer per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.live_server import API_KEY, MODEL, LiveServer
+from tests.tiny_models import make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+    make_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
+def api_server(tiny_model_dir, server_logs):
+    """The server the API, bad-request and concurrency tests share (started once: startup is the
+    slow part on a loaded 2-core machine). Tests that kill or stall a server start their own."""
+    srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY)
+    yield srv
+    srv.stop()

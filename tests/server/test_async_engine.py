@@ -1,0 +1,145 @@
+"""AsyncLLMEngine in-process (no HTTP): streams equal the offline engine, closing a stream aborts
+its request and frees its blocks, a dead loop fails everything pending, the queue limit holds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tallyserve import LLM, SamplingParams
+from tallyserve.config import EngineArgs
+from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, FaultKind, QueueFullError,
+                                            RequestRejectedError, StepFailedError)
+from tallyserve.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "Hello, world!", "Once upon a time"]
+TIMEOUT_S = 30
+
+
+def _engine(model_dir: str, **kwargs) -> AsyncLLMEngine:
+    eng = AsyncLLMEngine(LLMEngine(EngineArgs(model=model_dir, num_gpu_blocks_override=64, block_size=8)), **kwargs)
+    eng.start()
+    return eng
+
+
+async def _final(eng: AsyncLLMEngine, rid: str, prompt, params=GREEDY):
+    last = None
+    async for out in eng.generate(rid, prompt, params):
+        last = out
+    return last
+
+
+async def _wait_idle(eng: AsyncLLMEngine) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        s = eng.stats()
+        if s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            break
+        await asyncio.sleep(0.05)
+    return eng.stats()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_concurrent_streams_match_offline_engine(tiny_model_dir, references):
+    eng = _engine(tiny_model_dir)
+
+    async def run():
+        return await asyncio.gather(*(_final(eng, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+        assert [o.outputs[0].text for o in outs] == references
+        assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+        health = eng.health()
+        assert health.healthy and health.pending == 0
+    finally:
+        eng.shutdown()
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+
+    async def run():
+        gen = eng.generate("long", PROMPTS[0], LONG)
+        first = await gen.__anext__()
+        await gen.aclose()  # what a client disconnect does
+        return first, await _wait_idle(eng)
+
+    try:
+        first, stats = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+        assert not first.finished
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert eng.health().pending == 0
+    finally:
+        eng.shutdown()
+
+
+def test_rejections_and_step_failure(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+
+    async def run():
+        with pytest.raises(RequestRejectedError):
+            await _final(eng, "bad", {"prompt_token_ids": [10**6]})
+        eng.inject_fault(FaultKind.STEP_EXCEPTION)
+        with pytest.raises(StepFailedError):
+            await _final(eng, "fails", PROMPTS[0])
+        return await _final(eng, "ok", PROMPTS[0])
+
+    try:
+        ok = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+        assert ok.outputs[0].finish_reason == "length"
+        assert eng.is_running
+    finally:
+        eng.shutdown()
+
+
+def test_queue_limit(tiny_model_dir):
+    eng = _engine(tiny_model_dir, max_queue_len=2)
+
+    async def run():
+        eng.inject_fault(FaultKind.STALL, 1.0)
+        first = asyncio.create_task(_final(eng, "a", PROMPTS[0]))
+        await asyncio.sleep(0.3)  # "a" is in its first (sleeping) step: until it ends, "a" counts as waiting
+        queued = asyncio.create_task(_final(eng, "b", PROMPTS[1]))
+        await asyncio.sleep(0.05)
+        assert eng.num_waiting() == 2
+        with pytest.raises(QueueFullError):
+            await _final(eng, "c", PROMPTS[2])
+        return await asyncio.gather(first, queued)
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+        assert all(o.finished for o in outs)
+    finally:
+        eng.shutdown()
+
+
+def test_dead_loop_fails_pending_and_refuses_new(tiny_model_dir):
+    eng = _engine(tiny_model_dir, stall_timeout=1.0)
+
+    async def run():
+        tasks = [asyncio.create_task(_final(eng, f"p{i}", p, LONG)) for i, p in enumerate(PROMPTS)]
+        await asyncio.sleep(0.3)
+        eng.inject_fault(FaultKind.KILL_LOOP)
+        t0 = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, time.monotonic() - t0
+
+    results, took = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    assert all(isinstance(r, EngineDeadError) for r in results) and took < 1.0
+    health = eng.health()
+    assert not health.alive and not health.healthy and "killed" in health.reason
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(_final(eng, "late", PROMPTS[0]), TIMEOUT_S))
+    with pytest.raises(EngineDeadError):
+        eng.inject_fault(FaultKind.STALL, 1.0)
+    eng.shutdown()
