@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 fuzz: $(STAMP)
-	TALLYSERVE_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/unit -k hypothesis
+	TALLYSERVE_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/sim -k hypothesis
 
 clean:
 	rm -rf $(VENV)

@@ -8,6 +8,7 @@ decode, prefix reuse and preemption all fall out of that. Every token charged co
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
@@ -16,6 +17,9 @@ from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.request import Request, RequestStatus
+
+
+IDLE_CHECK_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._step_id = 0
+        self._last_idle_check = float("-inf")
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -218,8 +223,16 @@ class Scheduler:
                 finished.append(req)
         self.kv.release_step()
         if not self.requests:
-            self.kv.check_integrity()  # cheap while idle: free + cached + in use == total
+            self._check_when_idle()
         return finished
+
+    def _check_when_idle(self) -> None:
+        """free + cached + in use == total, walked while idle; at most every few seconds, since on
+        a GPU-sized pool one walk costs ~0.1 s and the next request should not wait for it."""
+        now = time.monotonic()
+        if now - self._last_idle_check >= IDLE_CHECK_INTERVAL_S:
+            self._last_idle_check = now
+            self.kv.check_integrity()
 
     def fail_step(self, output: SchedulerOutput, error: str, transfers_ran: bool = True) -> list[Request]:
         """A step that could not run fails only its own requests; the loop goes on."""

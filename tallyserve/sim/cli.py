@@ -1,0 +1,135 @@
+"""`tallyserve simulate`: replay a workload through the real scheduler on a virtual clock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from tallyserve.bench.workloads import add_workload_args, workload_from_args
+from tallyserve.config import EngineArgs, EngineConfig
+from tallyserve.models.model_config import ModelConfig
+
+# Named scenarios: defaults for flags the user did not give.
+SCENARIOS = {
+    # The TensorRT-LLM #13318 setting: multi-turn chat at 7 requests/s on a 12B shape, a 4096-token
+    # budget, chunked prefill, full and partial prefix reuse, a KV pool small enough to evict
+    # (2048 blocks = 32k tokens), and a host tier (16 GiB) that evicted prefix blocks move to.
+    "overload-replay": dict(
+        workload="multi-turn", request_rate=7.0, num_requests=2000, model_config="mistral-nemo-12b",
+        max_num_batched_tokens=4096, enable_chunked_prefill=True, enable_prefix_caching=True,
+        enable_partial_reuse=True, num_gpu_blocks_override=2048, kv_offload_bytes=16 << 30, multi_turn_turns=8, multi_turn_user_len=200,
+        multi_turn_system_len=512, random_output_len=200, random_range_ratio=0.5, think_time=2.0,
+    ),
+}
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """A preset name (tallyserve/model_configs), a config.json, or a directory holding one."""
+    from tallyserve.models.loader import PRESET_DIR, preset_names
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.is_file():
+        if name not in preset_names():
+            raise ValueError(f"--model-config {name!r} is neither a file nor a preset ({', '.join(preset_names())})")
+        path = PRESET_DIR / f"{name}.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {str(path)!r}: {exc}") from None
+    return ModelConfig.from_hf_config(cfg)
+
+
+def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
+    """The override, else (device memory x gpu_memory_utilization - bf16 weights) / bf16 block."""
+    from tallyserve.sim.cost_model import ModelShape
+
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    shape = ModelShape.of(mc)
+    per_block = shape.kv_bytes_per_token * args.block_size
+    budget = args.kv_cache_memory_bytes or int(mem_bytes * args.gpu_memory_utilization) - shape.weight_bytes
+    if budget < per_block:
+        raise ValueError(f"the bf16 weights ({shape.weight_bytes / 1e9:.1f} GB) leave no room for a KV block")
+    return int(budget // per_block)
+
+
+def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
+    """Blocks of the host KV tier: kv_offload_bytes over one bf16 block (0: no tier)."""
+    from tallyserve.sim.cost_model import ModelShape
+
+    if not args.kv_offload_bytes or not args.enable_prefix_caching:
+        return 0
+    return max(args.kv_offload_bytes // (ModelShape.of(mc).kv_bytes_per_token * args.block_size), 1)
+
+
+def engine_config_for(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> EngineConfig:
+    args.validate()
+    if getattr(args, "speculative_config", None) is not None:
+        raise ValueError("simulate does not model speculative decoding (drafts) yet; drop --speculative-config")
+    return args.resolve(mc, num_sim_blocks(args, mc, mem_bytes), num_sim_host_blocks(args, mc))
+
+
+def _apply_scenario(ns: argparse.Namespace) -> None:
+    if ns.scenario is None:
+        return
+    for key, value in SCENARIOS[ns.scenario].items():
+        if getattr(ns, key, None) is None:
+            setattr(ns, key, value)
+
+
+def _cmd_simulate(ns: argparse.Namespace) -> int:
+    from tallyserve.bench.report import build_result, plot, print_report, write_json
+    from tallyserve.cli import engine_args_from
+    from tallyserve.sim.cost_model import load_cost_model
+    from tallyserve.sim.simulator import SimOptions, Simulator
+
+    _apply_scenario(ns)
+    name = ns.model_config or ns.model
+    if name is None:
+        raise ValueError("simulate needs --model-config (a preset, a config.json or a model directory)")
+    mc = load_model_config(name)
+    cost = load_cost_model(ns.hardware, mc)
+    args = engine_args_from(ns)
+    config = engine_config_for(args, mc, cost.mem_bytes)
+    workload = workload_from_args(ns, seed=ns.seed or 0)
+    opts = SimOptions(max_concurrency=ns.max_concurrency, integrity_every=ns.integrity_every,
+                      build_batches=ns.build_batches, progress=not ns.disable_tqdm)
+    sim = Simulator(config, cost, opts)
+    res = sim.run(workload)
+    sc, cc = config.scheduler_config, config.cache_config
+    run_config = {
+        "scenario": ns.scenario, "model_config": name, "hardware": ns.hardware, "cost_model": cost.name,
+        "max_concurrency": ns.max_concurrency, "workload": workload.options,
+        "scheduler": sc.__dict__, "cache": cc.__dict__,
+    }
+    extra = {"simulator": dict(res.stats, wall_s=round(res.wall_s, 3))}
+    result = build_result("tallyserve simulate", run_config, res.records, res.duration_s, extra)
+    print_report(result, title=f"tallyserve simulate: {workload.name} on {cost.name} (virtual time)")
+    if ns.output:
+        write_json(result, ns.output)
+    if ns.plot:
+        plot(result, res.records, ns.plot)
+    return 0 if result["errors"] == 0 and res.stats["ledger"]["violations"] == 0 else 1
+
+
+def register(sub) -> None:
+    from tallyserve.cli import add_engine_args as _add_engine_args
+
+    p = sub.add_parser("simulate", help="replay a workload through the real scheduler with a cost model",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+                   help="named scenario: defaults for every flag not given")
+    p.add_argument("--model-config", default=None, help="preset name, config.json, or model directory")
+    p.add_argument("--hardware", default="h200", help="h200, a hardware JSON, or a profile JSON")
+    p.add_argument("--max-concurrency", type=int, default=None, help="client side: most requests in flight")
+    p.add_argument("--integrity-every", type=int, default=None,
+                   help="steps between KV integrity checks (default: adaptive, about 10%% of the wall time)")
+    p.add_argument("--build-batches", action="store_true", help="build the real ForwardBatch each step (slow)")
+    p.add_argument("--output", default=None, help="write the full record as JSON here")
+    p.add_argument("--plot", default=None, help="write latency distributions and throughput as a PNG here")
+    p.add_argument("--disable-tqdm", action="store_true")
+    add_workload_args(p, with_seed=False)  # --seed is the engine argument, used for both
+    _add_engine_args(p)
+    p.set_defaults(func=_cmd_simulate)

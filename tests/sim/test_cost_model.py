@@ -1,0 +1,85 @@
+"""The roofline matches hand-computed H200 numbers; a profile interpolates its grid exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tallyserve.sim.cli import load_model_config
+from tallyserve.sim.cost_model import (HARDWARE, ModelShape, ProfileCostModel, RooflineCostModel, StepShape,
+                                       load_cost_model)
+
+
+def _shape(tokens, requests, ctx, sampled=None):
+    pairs = ctx * tokens + tokens * (tokens + 1) // 2 if requests == 1 else tokens * ctx
+    return StepShape(tokens, requests, requests if tokens == requests else 0, requests if sampled is None else sampled,
+                     requests * ctx + (tokens if requests == 1 else 0), pairs)
+
+
+def test_llama8b_roofline():
+    mc = load_model_config("llama-3-8b")
+    m = ModelShape.of(mc)
+    assert m.linear_params + m.lm_head_params + m.embed_params == pytest.approx(8.03e9, rel=0.01)
+    assert m.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    cost = RooflineCostModel(mc, HARDWARE["h200"])
+    hw = HARDWARE["h200"]
+    overhead = hw.step_overhead_s + hw.per_request_overhead_s
+    # One decode token: memory bound, about 15 GB of weights (embeddings are not read) at 4.27 TB/s.
+    decode = cost.step_time(_shape(1, 1, 0)) - overhead
+    assert decode == pytest.approx(2 * (m.linear_params + m.lm_head_params) / 4.27e12, rel=0.01)
+    assert 3.3e-3 < decode < 3.8e-3
+    # A 4096-token prefill is compute bound: 2 * params * tokens at 700 TFLOP/s, plus attention.
+    prefill = cost.step_time(_shape(4096, 1, 0)) - overhead
+    assert prefill == pytest.approx(2 * m.linear_params * 4096 / 700e12 + 2 * m.lm_head_params / 700e12
+                                    + m.attn_flops_per_pair * (4096 * 4097 // 2) / 700e12, rel=1e-6)
+    # Long contexts make decode rows read more KV.
+    assert cost.step_time(_shape(64, 64, 4000)) > cost.step_time(_shape(64, 64, 100)) * 1.5
+
+
+def _profile():
+    axes = {"batch_size": [1, 4], "extra_tokens": [0, 100], "context_len": [0, 1000]}
+
+    def f(b, e, c):
+        return 0.001 + 0.0001 * b + 0.00002 * e + 0.000003 * c
+
+    table = [[[f(b, e, c) for c in axes["context_len"]] for e in axes["extra_tokens"]] for b in axes["batch_size"]]
+    return dict(axes, step_time_s=table, device="cpu", memory_bytes=1e9), f
+
+
+def test_profile_interpolates_and_extrapolates_linearly(tmp_path):
+    profile, f = _profile()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    cost = load_cost_model(str(path), load_model_config("llama-3-8b"))
+    assert isinstance(cost, ProfileCostModel) and cost.mem_bytes == 1e9
+    for b, e, c in [(1, 0, 0), (4, 100, 1000), (2, 50, 300), (8, 400, 5000), (3, 10, 10)]:
+        shape = StepShape(num_tokens=b + e, num_requests=b, num_decode_rows=0, num_sampled=b,
+                          context_tokens=b * c, attn_pairs=0)
+        assert cost.step_time(shape) == pytest.approx(f(b, e, c), rel=1e-9)
+
+
+def test_profile_and_hardware_validation(tmp_path):
+    mc = load_model_config("llama-3-8b")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"batch_size": [1, 1], "extra_tokens": [0], "context_len": [0],
+                               "step_time_s": [[[1.0]], [[1.0]]]}))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        load_cost_model(str(bad), mc)
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"matmul_flops": 350e12, "mem_bandwidth": 2e12, "mem_bytes": 80e9}))
+    half = load_cost_model(str(hw), mc)
+    full = load_cost_model("h200", mc)
+    assert half.step_time(_shape(4096, 1, 0)) > full.step_time(_shape(4096, 1, 0)) * 1.8
+    with pytest.raises(ValueError, match="--hardware"):
+        load_cost_model("a100-nope", mc)
+
+
+def test_kv_moves_cost_host_link_and_device_copies():
+    mc = load_model_config("mistral-nemo-12b")
+    cost = RooflineCostModel(mc, HARDWARE["h200"])
+    base = StepShape(1, 1, 1, 1, 100, 100)
+    moved = StepShape(1, 1, 1, 1, 100, 100, host_transfer_tokens=1600, copy_tokens=10)
+    per_token = 2 * 40 * 8 * 128 * 2
+    extra = 1600 * per_token / 50e9 + 2 * 10 * per_token / 4.27e12
+    assert cost.step_time(moved) - cost.step_time(base) == pytest.approx(extra, rel=1e-9)

@@ -1,0 +1,45 @@
+"""`tallyserve profile` measures a grid on the CPU with a tiny model; `simulate --hardware` loads it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tallyserve.cli import main
+from tallyserve.sim.cost_model import ProfileCostModel, StepShape
+
+
+def test_profile_then_simulate(tiny_dir, tmp_path):
+    prof = tmp_path / "profile.json"
+    rc = main(["profile", "--model", tiny_dir, "--batch-sizes", "1,3", "--extra-tokens", "0,16",
+               "--context-lens", "0,24", "--repeats", "1", "--num-gpu-blocks-override", "32", "--block-size", "4",
+               "--output", str(prof), "--disable-tqdm"])
+    assert rc == 0
+    data = json.loads(prof.read_text())
+    assert data["device"] == "cpu" and data["batch_size"] == [1, 3] and data["context_len"] == [0, 24]
+    assert all(t > 0 for plane in data["step_time_s"] for row in plane for t in row)
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--model-config", tiny_dir, "--hardware", str(prof), "--workload", "random",
+               "--num-requests", "12", "--random-input-len", "20", "--random-output-len", "5",
+               "--num-gpu-blocks-override", "64", "--block-size", "4", "--disable-tqdm", "--output", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["simulator"]["cost_model"] == "profile:cpu"
+    assert result["duration_s"] > 0 and result["p50_itl_ms"] > 0
+
+
+def test_profile_rejects_grid_beyond_max_model_len(tiny_dir, tmp_path):
+    rc = main(["profile", "--model", tiny_dir, "--batch-sizes", "1", "--extra-tokens", "0,500",
+               "--context-lens", "0,100", "--num-gpu-blocks-override", "200", "--output", str(tmp_path / "p.json")])
+    assert rc == 2
+
+
+def test_noisy_profile_never_gets_cheaper_past_the_grid():
+    profile = {"batch_size": [1, 8], "extra_tokens": [0, 64], "context_len": [0],
+               "step_time_s": [[[0.010], [0.012]], [[0.009], [0.020]]]}  # batch 8 measured faster: noise
+    cost = ProfileCostModel(profile)
+    shape = lambda b, e: StepShape(b + e, b, b, b, 0, 0)  # noqa: E731
+    assert cost.step_time(shape(64, 0)) == pytest.approx(0.009)  # flat, not negative, past the edge
+    assert cost.step_time(shape(8, 640)) == pytest.approx(0.020 + 9 * 0.011)
+    assert cost.step_time(shape(4, 32)) == pytest.approx((0.011 * 4 + 0.0145 * 3) / 7)
