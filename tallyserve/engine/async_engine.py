@@ -2,8 +2,9 @@
 
 Only the loop thread ever touches the `LLMEngine`. The event loop talks to it through a
 thread-safe inbox (add / abort / fault / stop commands); outputs come back once per step through
-`loop.call_soon_threadsafe`. If the loop thread dies, every pending stream ends at once with
-`EngineDeadError` and new requests are refused. Health is derived from three facts the loop
+`loop.call_soon_threadsafe`; a beam search group (`beam_search()`) gets one item that way, its
+`BeamSearchOutput`, when it finishes. If the loop thread dies, every pending stream ends at once
+with `EngineDeadError` and new requests are refused. Health is derived from three facts the loop
 publishes: it is alive, the time of its last heartbeat (a finished step, or an idle wait), and
 whether work is pending.
 """
@@ -20,8 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
+from tallyserve.request import RequestStatus
 from tallyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.config.scheduler_config.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.args.max_logprobs
+        self.block_size = engine.config.cache_config.block_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # guarded by _lock
@@ -116,6 +120,7 @@ class AsyncLLMEngine:
         self._unadmitted = 0
         self._dead_reason: Optional[str] = None  # set once, under _lock, when the loop ends
         self._admitted = 0  # loop thread only: adds applied since the last snapshot
+        self._flush = False  # loop thread only: a cancelled beam group may leave KV copies queued
         self._thread: Optional[threading.Thread] = None
         self._heartbeat = time.monotonic()
         self._stats: dict[str, Any] = engine.stats()
@@ -175,17 +180,7 @@ class AsyncLLMEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes. Closing the iterator early
         (client disconnect, cancellation) aborts the request and returns its blocks."""
-        stream = _Stream(request_id, asyncio.get_running_loop())
-        with self._lock:
-            if self._dead_reason is not None or not self.is_running:
-                raise EngineDeadError(f"engine loop is not running: {self._dead_reason or 'not started'}")
-            if request_id in self._streams:
-                raise RequestRejectedError(f"request id {request_id!r} is already in use")
-            if self.max_queue_len is not None and self._num_waiting_locked() >= self.max_queue_len:
-                raise QueueFullError(f"too many requests waiting (max_queue_len is {self.max_queue_len})")
-            self._streams[request_id] = stream
-            self._unadmitted += 1
-            self._inbox.put(("add", request_id, prompt, params))
+        stream = self._submit(_Stream(request_id, asyncio.get_running_loop()), ("add", request_id, prompt, params))
         try:
             while True:
                 item = await stream.queue.get()
@@ -202,6 +197,38 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    async def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> BeamSearchOutput:
+        """Run one beam search group to the end; its sequences come best first. Raises like
+        `generate` (EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError).
+        Cancelling the caller (client disconnect) cancels the group and returns its blocks."""
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        self._submit(stream, ("add", request_id, prompt, params))
+        try:
+            item = await stream.queue.get()
+            stream.finished = True
+            if isinstance(item, BaseException):
+                raise item
+            if getattr(item, "error", None) is not None:
+                raise StepFailedError(item.error)
+            return item
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def _submit(self, stream: _Stream, cmd: tuple) -> _Stream:
+        """Admission (live loop, unique id, queue limit) and the add command, atomically."""
+        with self._lock:
+            if self._dead_reason is not None or not self.is_running:
+                raise EngineDeadError(f"engine loop is not running: {self._dead_reason or 'not started'}")
+            if stream.request_id in self._streams:
+                raise RequestRejectedError(f"request id {stream.request_id!r} is already in use")
+            if self.max_queue_len is not None and self._num_waiting_locked() >= self.max_queue_len:
+                raise QueueFullError(f"too many requests waiting (max_queue_len is {self.max_queue_len})")
+            self._streams[stream.request_id] = stream
+            self._unadmitted += 1
+            self._inbox.put(cmd)
+        return stream
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -239,9 +266,10 @@ class AsyncLLMEngine:
             if stop_reason is not None:
                 self._stop_engine()
                 return stop_reason
-            if not engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() and not self._flush:
                 self._heartbeat = time.monotonic()
                 continue
+            self._flush = False
             before = self._stats.get("scheduled_tokens", 0)
             admitted = self._admitted
             outputs = engine.step()
@@ -250,6 +278,7 @@ class AsyncLLMEngine:
             if self.step_observer is not None and stats["scheduled_tokens"] > before:
                 self.step_observer(stats["scheduled_tokens"] - before)
             self._dispatch(outputs)
+            self._dispatch_beams()
 
     def _drain_inbox(self, block: bool) -> Optional[str]:
         """Apply queued commands; the reason when asked to stop. Blocks briefly when idle."""
@@ -274,19 +303,31 @@ class AsyncLLMEngine:
         self._admitted -= admitted
         return stats
 
-    def _cmd_add(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def _cmd_add(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> None:
         self._admitted += 1  # leaves _unadmitted at the next snapshot
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is None:
             return  # aborted before it was admitted
         try:
-            self.engine.add_request(request_id, prompt, params)
+            if isinstance(params, BeamSearchParams):
+                self.engine.add_beam_search_request(request_id, prompt, params)
+            else:
+                self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:
             self._deliver([(stream, RequestRejectedError(str(exc)))], finished=True)
 
     def _cmd_abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
+        if not self._cancel_beam_group(request_id):
+            self.engine.abort_request(request_id)
+
+    def _cancel_beam_group(self, group_id: str) -> bool:
+        """End a running beam search group (client gone, shutdown): its beams are aborted and their
+        blocks freed, the group dropped. False if `group_id` is no beam search group."""
+        if not self.engine.beams.abort(group_id):
+            return False
+        self._flush = True  # forks since the last step pinned copy sources: one (empty) step frees them
+        return True
 
     def _cmd_fault(self, kind: FaultKind, seconds: float) -> None:
         logger.warning("injecting fault %s", kind.value)
@@ -316,6 +357,20 @@ class AsyncLLMEngine:
                 batch.append((stream, out))
         self._deliver(batch, finished=False)
 
+    def _dispatch_beams(self) -> None:
+        """Hand finished beam search groups to their waiters (outputs nobody waits for are dropped)."""
+        finished = self.engine.beams.outputs
+        if not finished:
+            return
+        batch = []
+        with self._lock:
+            for gid in list(finished):
+                out = finished.pop(gid)
+                stream = self._streams.pop(gid, None)
+                if stream is not None:
+                    batch.append((stream, out))
+        self._deliver(batch, finished=False)
+
     def _deliver(self, batch: list[tuple[_Stream, Any]], finished: bool) -> None:
         """Hand items to their streams with one wake-up per event loop."""
         if finished:
@@ -334,6 +389,7 @@ class AsyncLLMEngine:
     def _stop_engine(self) -> None:
         with self._lock:
             ids = list(self._streams)
+        ids = [rid for rid in ids if not self._cancel_beam_group(rid)]
         if ids:
             self.engine.abort_request(ids)
 

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 _NEG = -1.0e9
 
 
+class NoRoomForBeams(Exception):
+    """The pool lacks the copy-on-write blocks a step's forks need (retried after other work)."""
+
+
 @dataclass(frozen=True)
 class BeamSearchParams:
     beam_width: int
@@ -56,6 +60,7 @@ class BeamSearchSequence:
 class BeamSearchOutput:
     request_id: str
     sequences: list[BeamSearchSequence]  # best first
+    error: Optional[str] = None  # why the search ended without sequences
 
 
 @dataclass
@@ -93,14 +98,30 @@ class BeamGroup:
         cands = [(float(s), int(i) // vocab, int(i) % vocab) for s, i in zip(top_scores, top_idx)]
         last = self.num_generated + 1 >= p.max_tokens
         ends = [last or tok in eos for _, _, tok in cands]
-        self._add_finished(cands, ends, width)
         order = sorted(range(len(cands)), key=lambda r: -(cands[r][0] + (_NEG if ends[r] else 0.0)))
         chosen = [(cands[r][1], cands[r][2], cands[r][0] + (_NEG if ends[r] else 0.0)) for r in order[:width]]
-        self.num_generated += 1
+        saved = (list(self.finished), self.heuristic_open)
+        self._add_finished(cands, ends, width)
         if all(ends) or self._heuristic_says_stop(chosen):
+            self.num_generated += 1
             self._finish(scheduler)
             return
+        if self._blocks_needed(scheduler, chosen) > scheduler.kv.num_free_blocks:
+            self.finished, self.heuristic_open = saved  # nothing changed: try again after a step
+            raise NoRoomForBeams()
+        self.num_generated += 1
         self._reassign(scheduler, chosen)
+
+    def _blocks_needed(self, scheduler: "Scheduler", chosen) -> int:
+        """Free blocks the forks need: one copy-on-write block per fork of a partially filled parent."""
+        seen, need = set(), 0
+        for beam, _, _ in chosen:
+            if beam in seen:
+                parent = scheduler.requests[self.running[beam].request_id]
+                if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens % scheduler.kv.block_size:
+                    need += 1
+            seen.add(beam)
+        return need
 
     def _add_finished(self, cands, ends, width: int) -> None:
         if not self.heuristic_open:
@@ -202,11 +223,20 @@ class BeamSearchDriver:
     def record(self, request_id: str, logits_row: torch.Tensor) -> None:
         self._owner[request_id].rows[request_id] = torch.log_softmax(logits_row.float(), dim=-1).cpu()
 
-    def after_step(self) -> None:
+    def after_step(self, progressed: bool = True) -> None:
+        """Advance every group whose beams all reported. A group whose forks find no free block
+        waits while other requests make progress (they free blocks), and fails otherwise."""
         for gid, group in list(self.groups.items()):
             if group.running and group.ready():
                 before = {b.request_id for b in group.running}
-                group.advance(self.scheduler)
+                try:
+                    group.advance(self.scheduler)
+                except NoRoomForBeams:
+                    others = any(r.request_id not in self._owner for r in self.scheduler.running)
+                    if not (others and progressed):
+                        self._end(group, RequestStatus.FINISHED_ERROR,
+                                  "the KV cache has no free block for the beams; lower beam_width or add memory")
+                    continue
                 for rid in before - {b.request_id for b in group.running}:
                     self._owner.pop(rid, None)
                 for b in group.running:
@@ -218,12 +248,22 @@ class BeamSearchDriver:
     def fail(self, request_id: str, error: str) -> None:
         """A beam's step failed: the whole group ends with no sequences."""
         group = self._owner.get(request_id)
-        if group is None or group.group_id not in self.groups:
-            return
+        if group is not None and group.group_id in self.groups:
+            self._end(group, RequestStatus.FINISHED_ERROR, error)
+
+    def abort(self, group_id: str) -> bool:
+        """End a running group (client gone, shutdown), freeing its blocks. False if unknown."""
+        group = self.groups.get(group_id)
+        if group is None:
+            return False
+        self._end(group, RequestStatus.FINISHED_ABORTED, None)
+        self.outputs.pop(group_id, None)
+        return True
+
+    def _end(self, group: BeamGroup, status: RequestStatus, error: Optional[str]) -> None:
         ids = [b.request_id for b in group.running]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        self.scheduler.finish_requests(ids, status)
         for rid in ids:
             self._owner.pop(rid, None)
         del self.groups[group.group_id]
-        self.outputs[group.group_id] = BeamSearchOutput(group.group_id, [])
-        self.outputs[group.group_id].error = error  # type: ignore[attr-defined]
+        self.outputs[group.group_id] = BeamSearchOutput(group.group_id, [], error)

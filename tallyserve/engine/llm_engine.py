@@ -170,6 +170,7 @@ class LLMEngine:
             if so.kv_transfers:  # e.g. copy-on-write of forked beams queued since the last step
                 self.runner.apply_transfers(so.kv_transfers)
                 self.scheduler.update(so, {})
+            self.beams.after_step(progressed=False)
             return outputs
         touched: dict[str, ParentState] = {}
         try:

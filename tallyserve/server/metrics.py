@@ -100,9 +100,11 @@ class RequestTracker:
         self.last: Optional[RequestOutput] = None
         self.done = False
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput, timed: bool = True) -> None:
+        """Record the latest output; `timed=False` for results that arrive all at once (beam
+        search), which have no time to first token or per output token."""
         self.last = out
-        if self.first_token is None and any(o.token_ids for o in out.outputs):
+        if timed and self.first_token is None and any(o.token_ids for o in out.outputs):
             self.first_token = time.monotonic()
 
     def finish(self, override_reason: Optional[str] = None) -> None:

@@ -1,6 +1,7 @@
 """Pydantic models of the OpenAI completions and chat completions APIs (requests, responses,
 streaming chunks, usage). Field names and shapes follow OpenAI's; a few vLLM extras (top_k,
-min_p, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too.
+min_p, ignore_eos, min_tokens, stop_token_ids, use_beam_search, best_of, length_penalty, ...) are
+accepted too.
 
 Requests validate in strict mode, so a wrong JSON type ("5" for an integer, 1 for a boolean) is a
 400, never silently coerced. Unknown fields are ignored, as vLLM does."""
@@ -48,6 +49,9 @@ class SamplingFields(_Request):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
+    use_beam_search: Optional[bool] = False
+    best_of: Optional[int] = None  # with use_beam_search: the beam width (default n)
+    length_penalty: Optional[float] = 1.0  # beam search: score = cum_logprob / length ** length_penalty
 
     @property
     def include_usage(self) -> bool:
@@ -60,7 +64,6 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
 
 
 class ChatCompletionRequest(SamplingFields):

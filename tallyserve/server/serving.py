@@ -59,8 +59,8 @@ def check_admission(ctx: ServerContext) -> None:
                        errors.RATE_LIMIT, None, "queue_full")
 
 
-def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+def check_unsupported(req: SamplingFields) -> None:
+    """400 for the OpenAI options tallyserve does not implement."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise bad_request(f"{name} is not supported; only 0 is accepted", name, "unsupported_parameter")
@@ -69,6 +69,15 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
     n = 1 if req.n is None else req.n
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+
+
+def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+    check_unsupported(req)
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request("best_of other than n is only supported with use_beam_search (sampling returns "
+                          "every sequence it draws)", "best_of", "unsupported_parameter")
     kwargs: dict[str, Any] = dict(
         n=n, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
         top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0), seed=req.seed,
@@ -91,8 +100,9 @@ def _default(value: Optional[T], default: T) -> T:
     return default if value is None else value
 
 
-def check_prompt_ids(ctx: ServerContext, ids: list[int], params: SamplingParams, param: str) -> None:
-    """Range and length checks, so bad prompts are a 400 before they reach the engine."""
+def check_prompt_ids(ctx: ServerContext, ids: list[int], params: Any, param: str) -> None:
+    """Range and length checks, so bad prompts are a 400 before they reach the engine. `params`:
+    anything with `max_tokens` (SamplingParams, or beam search's BeamSpec)."""
     if not ids:
         raise bad_request("the prompt must not be empty", param)
     vocab = ctx.engine.vocab_size

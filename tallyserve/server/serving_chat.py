@@ -1,8 +1,9 @@
-"""POST /v1/chat/completions: messages through the model's chat template, one engine request."""
+"""POST /v1/chat/completions: messages through the model's chat template, one engine request
+(or, with use_beam_search, one beam search group whose n best sequences are the choices)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -17,9 +18,10 @@ from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
                                        check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
                                        sampling_params, sse, stream_error_event, tracked)
+from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 
-def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
+def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[SamplingParams, BeamSpec]:
     check_model(ctx, req.model)
     if req.tools:
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
@@ -35,6 +37,8 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingPa
         raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {top}",
                           "top_logprobs")
     alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if req.use_beam_search:
+        return beam_spec(req, req.effective_max_tokens, alias, logprobs=bool(req.logprobs))
     return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias)
 
 
@@ -53,8 +57,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = _check_request(ctx, req)
     ids = _prompt_ids(ctx, req)
     check_prompt_ids(ctx, ids, params, "messages")
+    if isinstance(params, BeamSpec):
+        check_beam_fits(ctx, params, len(ids))
     check_admission(ctx)
     request_id = random_id("chatcmpl")
+    if isinstance(params, BeamSpec):
+        out = (await collect_beams(ctx, raw, [(request_id, None, ids)], params))[0]
+        return JSONResponse(_response(ctx, req, request_id, out).model_dump())
     gens = [tracked(ctx, request_id, {"prompt_token_ids": ids}, params)]
     if req.stream:
         stream = await prime(raw, merged(gens))

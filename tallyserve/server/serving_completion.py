@@ -1,9 +1,10 @@
-"""POST /v1/completions: one engine request per prompt, n choices each (choice index = prompt * n + i)."""
+"""POST /v1/completions: one engine request per prompt, n choices each (choice index = prompt * n + i).
+With use_beam_search, one beam search group per prompt whose n best sequences are the choices."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -17,6 +18,7 @@ from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, Com
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
                                        check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
                                        sampling_params, sse, stream_error_event, tracked)
+from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
 
@@ -52,12 +54,12 @@ def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
     return items
 
 
-def _check_request(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
+def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[SamplingParams, BeamSpec]:
     check_model(ctx, req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
-    if req.best_of is not None and req.best_of != (req.n or 1):
-        raise bad_request("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
+    if req.use_beam_search:
+        return beam_spec(req, req.max_tokens, "max_tokens", logprobs=req.logprobs is not None)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
     if req.logprobs is not None and req.logprobs > ctx.engine.max_logprobs:
@@ -70,8 +72,14 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     prompts = _prompts(ctx, req.prompt)
     for p in prompts:
         check_prompt_ids(ctx, p.ids, params, "prompt")
+        if isinstance(params, BeamSpec):
+            check_beam_fits(ctx, params, len(p.ids))
     check_admission(ctx)
     request_id = random_id("cmpl")
+    if isinstance(params, BeamSpec):
+        outs = await collect_beams(ctx, raw, [(f"{request_id}-{i}", p.text, p.ids) for i, p in enumerate(prompts)],
+                                   params)
+        return JSONResponse(_response(ctx, req, request_id, prompts, outs).model_dump())
     gens = [tracked(ctx, f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.ids}, params)
             for i, p in enumerate(prompts)]
     if req.stream:

@@ -78,3 +78,42 @@ def test_beam_search_bad_params():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
+
+
+@pytest.mark.parametrize("blocks, other_prompt, expect_error", [(8, 22, False), (2, 0, True)])
+def test_beams_without_room_wait_or_fail_cleanly(tiny, monkeypatch, blocks, other_prompt, expect_error):
+    """Forks that find no free block wait while other requests free some, and otherwise fail the
+    group with a clear error: the engine itself never raises and leaks nothing."""
+    from tallyserve import SamplingParams
+    from tallyserve.engine import beam_search as bs
+
+    waits = []
+    real = bs.BeamGroup._blocks_needed
+
+    def counting(self, scheduler, chosen):
+        need = real(self, scheduler, chosen)
+        waits.append(need > scheduler.kv.num_free_blocks)
+        return need
+
+    monkeypatch.setattr(bs.BeamGroup, "_blocks_needed", counting)
+    path, _ = tiny
+    llm = LLM(model=path, block_size=4, num_gpu_blocks_override=blocks, max_model_len=4 * blocks)
+    engine = llm.engine
+    if other_prompt:
+        engine.add_request("other", {"prompt_token_ids": list(range(10, 10 + other_prompt))},
+                           SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.add_beam_search_request("beam", {"prompt_token_ids": [5, 6, 7]},
+                                   BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    for _ in range(500):
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    beam = engine.beams.outputs.pop("beam")
+    assert any(waits)
+    if expect_error:
+        assert beam.sequences == [] and "no free block" in beam.error
+    else:
+        assert len(beam.sequences) == 3 and beam.error is None
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"] and s["ledger_violations"] == 0
+    engine.scheduler.kv.check_integrity()

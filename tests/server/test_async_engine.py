@@ -1,5 +1,6 @@
 """AsyncLLMEngine in-process (no HTTP): streams equal the offline engine, closing a stream aborts
-its request and frees its blocks, a dead loop fails everything pending, the queue limit holds."""
+its request and frees its blocks, a dead loop fails everything pending, the queue limit holds; beam
+search groups obey the same rules."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from tallyserve import LLM, SamplingParams
 from tallyserve.config import EngineArgs
 from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, FaultKind, QueueFullError,
                                             RequestRejectedError, StepFailedError)
+from tallyserve.engine.beam_search import BeamSearchParams
 from tallyserve.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Hello, world!", "Once upon a time"]
+BEAM = BeamSearchParams(beam_width=3, max_tokens=6)
+LONG_BEAM = BeamSearchParams(beam_width=2, max_tokens=120, ignore_eos=True)  # fits the 64-block cache
 TIMEOUT_S = 30
 
 
@@ -142,4 +146,53 @@ def test_dead_loop_fails_pending_and_refuses_new(tiny_model_dir):
         asyncio.run(asyncio.wait_for(_final(eng, "late", PROMPTS[0]), TIMEOUT_S))
     with pytest.raises(EngineDeadError):
         eng.inject_fault(FaultKind.STALL, 1.0)
+    eng.shutdown()
+
+
+async def _until_running(eng: AsyncLLMEngine) -> None:
+    deadline = time.monotonic() + 10
+    while eng.stats()["num_running"] == 0:
+        assert time.monotonic() < deadline, "nothing started running"
+        await asyncio.sleep(0.01)
+
+
+def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
+    ref = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8).beam_search(PROMPTS[0], BEAM)[0]
+    eng = _engine(tiny_model_dir, max_queue_len=2, stall_timeout=1.0)
+
+    async def run():
+        out = await eng.beam_search("b", PROMPTS[0], BEAM)
+        with pytest.raises(RequestRejectedError):
+            await eng.beam_search("bad", {"prompt_token_ids": [10**6]}, BEAM)
+        eng.inject_fault(FaultKind.STEP_EXCEPTION)
+        with pytest.raises(StepFailedError):
+            await eng.beam_search("fails", PROMPTS[0], BEAM)
+        eng.inject_fault(FaultKind.STALL, 1.0)
+        first = asyncio.create_task(eng.beam_search("q1", PROMPTS[1], BEAM))
+        await asyncio.sleep(0.3)  # in its first (sleeping) step: the group counts as waiting
+        queued = asyncio.create_task(eng.beam_search("q2", PROMPTS[2], BEAM))
+        await asyncio.sleep(0.05)
+        assert eng.num_waiting() == 2
+        with pytest.raises(QueueFullError):
+            await eng.beam_search("over", PROMPTS[2], BEAM)
+        await asyncio.gather(first, queued)
+        cancelled = asyncio.create_task(eng.beam_search("gone", PROMPTS[0], LONG_BEAM))
+        await _until_running(eng)
+        cancelled.cancel()  # what a client disconnect does
+        await asyncio.gather(cancelled, return_exceptions=True)
+        idle = await _wait_idle(eng)
+        pending = asyncio.create_task(eng.beam_search("pending", PROMPTS[1], LONG_BEAM))
+        await _until_running(eng)
+        eng.inject_fault(FaultKind.KILL_LOOP)
+        t0 = time.monotonic()
+        dead = (await asyncio.gather(pending, return_exceptions=True))[0]
+        return out, idle, dead, time.monotonic() - t0
+
+    out, idle, dead, took = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    assert [s.tokens for s in out.sequences] == [s.tokens for s in ref.sequences]
+    assert [s.text for s in out.sequences] == [s.text for s in ref.sequences]
+    assert idle["num_free_blocks"] == idle["num_total_blocks"] and idle["num_running"] == 0
+    assert isinstance(dead, EngineDeadError) and took < 1.0
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(eng.beam_search("late", PROMPTS[0], BEAM), TIMEOUT_S))
     eng.shutdown()
