@@ -132,9 +132,10 @@ class Scheduler:
                 req.num_cached_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.stats.prefix_hit_tokens += hit.num_full_tokens
+            host_tokens = len(hit.host_blocks) * self.kv.block_size
+            self.stats.prefix_hit_tokens += hit.num_full_tokens - host_tokens  # device blocks only
             self.stats.partial_hit_tokens += hit.num_partial_tokens
-            self.stats.host_hit_tokens += len(hit.host_blocks) * self.kv.block_size
+            self.stats.host_hit_tokens += host_tokens
             scheduled[req.request_id] = n
             budget -= n
 
