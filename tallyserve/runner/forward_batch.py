@@ -18,19 +18,19 @@ def _upload(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) 
     np_dtype = torch.empty((), dtype=dtype).numpy().dtype
     if device.type != "cuda":
         return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)).to(device) for a in arrays]
-    sizes = [a.size for a in arrays]
-    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+    # Every piece starts 16-byte aligned, like a fresh allocation: Triton specialises kernels on
+    # pointer alignment, so unaligned views would compile new variants as batch sizes change.
+    align = max(1, 16 // np_dtype.itemsize)
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.size // align) * align
+    host = torch.empty(max(total, 1), dtype=dtype, pin_memory=True)
     flat = host.numpy()
-    offset = 0
-    for a, n in zip(arrays, sizes):
-        flat[offset:offset + n] = a.reshape(-1)
-        offset += n
+    for a, off in zip(arrays, offsets):
+        flat[off:off + a.size] = a.reshape(-1)
     dev = host.to(device, non_blocking=True)
-    out, offset = [], 0
-    for a, n in zip(arrays, sizes):
-        out.append(dev[offset:offset + n].view(a.shape))
-        offset += n
-    return out
+    return [dev[off:off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
 
 
 @dataclass(frozen=True)

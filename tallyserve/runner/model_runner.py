@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.model_config import ModelConfig
 from tallyserve.runner.forward_batch import ForwardBatch
@@ -46,19 +47,67 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
     return per_token * block_size * elem
 
 
-def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks of the KV pool: the override, else a byte budget (CPU) or free GPU memory."""
+# GPU memory kept free beyond the profiled activations: CUDA-graph pools, sampler, fragmentation.
+GPU_HEADROOM_BYTES = 512 << 20
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: ModelConfig,
+                             device: torch.device) -> int:
+    """Peak bytes one forward of a full token budget allocates (plus logits of max_num_seqs rows),
+    measured on the GPU. The dummy batch has slots -1 and an all-zero block table over a one-block
+    scratch cache shared by every layer, so it writes nothing and needs no real KV pool."""
+    max_len = args.max_model_len or model_config.max_position_embeddings
+    num_tokens = args.max_num_batched_tokens or (
+        DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max(max_len, 2048))
+    lens = [min(max_len, num_tokens - s) for s in range(0, num_tokens, max_len)]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    kw = dict(device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, **kw),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, **kw),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, **kw),
+        block_tables=torch.zeros((len(lens), cdiv(max(lens), args.block_size)), dtype=torch.int32, **kw),
+        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(lens), block_size=args.block_size,
+        max_query_len=max(lens), max_seq_len=max(lens),
+    )
+    cache = torch.zeros(model.get_kv_cache_shape(1, args.block_size), dtype=next(model.parameters()).dtype, **kw)
+    positions = torch.cat([torch.arange(n, dtype=torch.int64, **kw) for n in lens])
+    sampled = torch.arange(num_tokens - min(args.max_num_seqs, num_tokens), num_tokens, **kw)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, **kw), positions,
+                   [cache] * model_config.num_hidden_layers, meta)
+    model.compute_logits(hidden[sampled])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden
+    torch.cuda.empty_cache()
+    logger.info("profiled a %d-token forward: %.2f GiB of activations", num_tokens, peak / 2**30)
+    return int(peak)
+
+
+def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                         model: Optional[nn.Module] = None) -> int:
+    """Blocks of the KV pool: the override, else a byte budget (CPU) or free GPU memory (after
+    profiling a full-budget forward of ``model`` when it is given)."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     per_block = kv_bytes_per_block(model_config, args.block_size, dtype)
     if args.kv_cache_memory_bytes is not None:
         budget = args.kv_cache_memory_bytes
     elif device.type == "cuda":
+        if model is not None:
+            activations = profile_activation_bytes(model, args, model_config, device) + GPU_HEADROOM_BYTES
+        else:  # estimate: activations of a full token budget (logits dominate at large vocab)
+            tokens = args.max_num_batched_tokens or 8192
+            activations = tokens * (model_config.vocab_size * 4 + model_config.intermediate_size * 12)
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        # Leave room for activations of a full token budget (logits dominate at large vocab).
-        tokens = args.max_num_batched_tokens or 8192
-        activations = tokens * (model_config.vocab_size * 4 + model_config.intermediate_size * 12)
         budget = int(total * args.gpu_memory_utilization) - used - activations
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
@@ -83,7 +132,8 @@ def num_host_blocks(args: EngineArgs, model_config: ModelConfig, dtype: torch.dt
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0, *,
+                 use_cuda_graph: bool = False, max_num_seqs: int = 256, max_model_len: Optional[int] = None) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -99,6 +149,13 @@ class ModelRunner:
             self.host_kv_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
         self.bytes_per_block = kv_bytes_per_block(model_config, block_size, dtype)
         self.bytes_moved = 0
+        self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
+        if use_cuda_graph:
+            from tallyserve.runner.cuda_graph import make_graph_runner
+
+            self.graph_runner = make_graph_runner(model, self.kv_caches, max_num_seqs,
+                                                  max_model_len or model_config.max_position_embeddings,
+                                                  device, dtype, block_size)
 
     def copy_blocks(self, copies: Sequence[KVCopy]) -> None:
         """Partial reuse: copy the leading slots of cached blocks into the requests' new blocks."""
@@ -125,7 +182,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the forward pass; return float32 logits of the sampled rows (S, vocab)."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.run(batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])

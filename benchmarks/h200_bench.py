@@ -1,0 +1,639 @@
+#!/usr/bin/env python3
+"""tallyserve on one H200, in one call (<= 9 minutes by default): run from the repo root as
+
+    python3 benchmarks/h200_bench.py [--only micro,checks,mixed,shared,decode] [--with-hf]
+                                     [--enforce-eager] [--graph-ab] [--pytest]
+
+Sections (in this order; each is skipped once --budget-s, default 540 s, is spent):
+  micro   bf16 matmul TFLOP/s (8192^3, median of 10) and device copy bandwidth
+  checks  quick GPU checks: Triton kernels vs the torch reference at Llama-3-8B attention shapes
+          (mixed batch, split-K decode), and CUDA-graph replay vs eager on the real model
+  tune    (only when named) sweep of kernel tile/warp/stage options, for KernelConfig defaults
+  mixed   256 requests, prompts uniform in [256, 1024] tokens (random ids, seed 0), 256 new tokens
+  shared  128 requests: one 2048-token prefix + 64 unique tokens, 64 new tokens each
+  decode  one request (512-token prompt): median step time over 128 decode steps, the engine's
+          per-step time split, and the GPU time of one graph replay at batch 1
+          (--graph-ab: again with the CUDA-graph runner switched off, same engine)
+  --with-hf: afterwards, Hugging Face `generate_batch` on the same mixed/shared prompts (~4 min)
+  --pytest:  also `python -m pytest -q tests/gpu` in a subprocess (needs pytest; ~1 min)
+mixed/shared also report a step profile: steps with prefill rows vs decode-only steps (graph or
+eager), their total and median time, and the slowest steps (a compile stall shows up there).
+
+Model: LLM(model="llama-3-8b", load_format="dummy", dtype="bfloat16"): random weights at the real
+shape, greedy, ignore_eos. Needs only torch, triton, transformers (for --with-hf), numpy. Prints a
+short table last; writes everything as JSON to $OUT/h200_bench.json when $OUT is set. Exit status 1
+when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # DESIGN.md, H200, transformers generate_batch
+ROOFLINE = {"mixed_s": 6.2, "decode_step_ms": 3.8}
+SECTIONS = ("micro", "checks", "mixed", "shared", "decode", "tune")  # tune: not run by default
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- micro
+def _median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_micro() -> dict:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = _median_ms(lambda: a @ b)
+    del a, b
+    nbytes = 4 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    cp_ms = _median_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return {
+        "matmul_bf16_tflops": 2 * n ** 3 / (mm_ms * 1e-3) / 1e12,
+        "copy_read_plus_write_tb_s": 2 * nbytes / (cp_ms * 1e-3) / 1e12,
+        "copy_one_way_tb_s": nbytes / (cp_ms * 1e-3) / 1e12,
+    }
+
+
+# ----------------------------------------------------------------------------- checks
+def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0):
+    """Mixed batch over a NaN-filled paged cache (cached prefixes pre-written through shuffled
+    block tables); mirrors tests/gpu/test_triton_gpu.py::make_case."""
+    from tallyserve.attention.backend import get_kv_cache_shape
+    from tallyserve.attention.metadata import AttentionMetadata
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // bs) for c, n in reqs) + 8
+    cache = torch.full(get_kv_cache_shape(num_blocks, bs, hkv, dim), float("nan"), dtype=dtype, device=dev)
+    flat = cache.view(2, -1, hkv, dim)
+    free = np.random.default_rng(seed).permutation(num_blocks).tolist()
+    qs, ks, vs, slots, starts, tables = [], [], [], [], [0], []
+    for cached, new in reqs:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // bs))]
+        tables.append(table)
+        pos = torch.arange(total, device=dev)
+        req_slots = torch.tensor(table, device=dev)[pos // bs] * bs + pos % bs
+        k = torch.randn(total, hkv, dim, generator=gen, device=dev).to(dtype)
+        v = torch.randn(total, hkv, dim, generator=gen, device=dev).to(dtype)
+        flat[0, req_slots[:cached]] = k[:cached]
+        flat[1, req_slots[:cached]] = v[:cached]
+        ks.append(k[cached:])
+        vs.append(v[cached:])
+        slots.append(req_slots[cached:])
+        qs.append(torch.randn(new, hq, dim, generator=gen, device=dev).to(dtype))
+        starts.append(starts[-1] + new)
+    qs.append(torch.zeros(num_padding, hq, dim, device=dev, dtype=dtype))
+    ks.append(torch.zeros(num_padding, hkv, dim, device=dev, dtype=dtype))
+    vs.append(torch.zeros(num_padding, hkv, dim, device=dev, dtype=dtype))
+    slots.append(torch.full((num_padding,), -1, device=dev))
+    width = max(len(t) for t in tables)
+    seq_lens = [c + n for c, n in reqs]
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).long(),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens), block_size=bs,
+        max_query_len=max(n for _, n in reqs), max_seq_len=max(seq_lens),
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta
+
+
+def _check_attention(name, reqs, dtype=torch.bfloat16, tol=1.5e-2, num_padding=4) -> dict:
+    from tallyserve.attention import torch_ref
+    from tallyserve.attention.triton_attn import paged_attention
+    from tallyserve.attention.triton_cache import write_kv_cache
+
+    q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, dtype, num_padding=num_padding)
+    n = meta.num_tokens
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    torch_ref.write_kv_cache(k[:n], v[:n], ref_cache, meta.slot_mapping[:n])
+    write_kv_cache(k, v, tri_cache, meta.slot_mapping)
+    cache_ok = bool(torch.equal(ref_cache.isnan(), tri_cache.isnan())
+                    and torch.equal(ref_cache.nan_to_num(0), tri_cache.nan_to_num(0)))
+    ref = torch_ref.paged_attention(q, ref_cache, meta, 128 ** -0.5).float()
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, tri_cache, meta, 128 ** -0.5, out=out)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        paged_attention(q, tri_cache, meta, 128 ** -0.5, out=out)
+    torch.cuda.synchronize()
+    kernel_ms = (time.perf_counter() - start) / 5 * 1e3
+    finite = bool(out.isfinite().all())
+    err = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+    ok = cache_ok and finite and err <= tol
+    return {"name": name, "ok": ok, "rel_err": err, "cache_ok": cache_ok, "all_written": finite,
+            "kernel_ms": kernel_ms, "tokens": n}
+
+
+def _check_graph_vs_eager(engine) -> dict:
+    """Eager prefill of 3 requests into free blocks of the engine's pool, then one decode step
+    eagerly and through the captured graph (both write the same K/V into the same slots)."""
+    from tallyserve.attention.metadata import AttentionMetadata
+
+    runner = engine.runner
+    graphs = getattr(runner, "graph_runner", None)
+    if graphs is None:
+        return {"name": "cuda_graph_vs_eager", "ok": True, "skipped": "no graph runner (enforce_eager?)"}
+    dev, bs = engine.device, runner.block_size
+    lens = [100, 700, 33]
+    rng = np.random.default_rng(7)
+    tables, nxt = [], 0
+    for L in lens:
+        nb = -(-(L + 1) // bs)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+
+    def meta_for(rows_per_req, seq_lens, positions):
+        starts = np.concatenate([[0], np.cumsum(rows_per_req)]).tolist()
+        slots = [tables[i][p // bs] * bs + p % bs for i, ps in enumerate(positions) for p in ps]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_tables=table_t,
+            query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens), block_size=bs,
+            max_query_len=max(rows_per_req), max_seq_len=max(seq_lens))
+
+    vocab = engine.model_config.vocab_size
+    with torch.inference_mode():
+        pos = [list(range(L)) for L in lens]
+        meta = meta_for(lens, lens, pos)
+        ids = torch.tensor(rng.integers(0, vocab, sum(lens)), device=dev)
+        runner.model(ids, torch.tensor([p for ps in pos for p in ps], device=dev), runner.kv_caches, meta)
+        pos = [[L] for L in lens]
+        meta = meta_for([1, 1, 1], [L + 1 for L in lens], pos)
+        ids = torch.tensor(rng.integers(0, vocab, 3), device=dev)
+        batch = SimpleNamespace(input_ids=ids, positions=torch.tensor(lens, device=dev), attn_meta=meta, num_tokens=3)
+        if not graphs.can_run(batch):
+            return {"name": "cuda_graph_vs_eager", "ok": False, "error": "graph runner refused a decode batch"}
+        graph = graphs.run(batch).float().clone()
+        # eager with the capture-time max_seq_len runs the same kernels (same split-K count): ~exact
+        bound = dataclasses.replace(meta, max_seq_len=graphs.max_seq_len)
+        same = runner.model(batch.input_ids, batch.positions, runner.kv_caches, bound).float()
+        # eager as the engine runs it (split count from the real lengths): equal up to bf16 rounding
+        eager = runner.model(batch.input_ids, batch.positions, runner.kv_caches, meta).float()
+        err_same = float((graph - same).abs().max() / same.abs().max())
+        err = float((graph - eager).abs().max() / eager.abs().max())
+        logits = [runner.model.compute_logits(h.to(engine.dtype)) for h in (graph, eager)]
+        argmax_same = bool((logits[0].argmax(-1) == logits[1].argmax(-1)).all())
+    # (the graph pads 3 rows to its bucket of 4, so cuBLAS may round differently: bf16-level error)
+    return {"name": "cuda_graph_vs_eager", "ok": err_same < 2e-2 and err < 0.1, "rel_err_same_splits": err_same,
+            "rel_err_vs_engine_eager": err, "argmax_same": argmax_same}
+
+
+def run_kernel_checks() -> list[dict]:
+    out = []
+    cases = [
+        ("mixed_llama8b_bf16", [(0, 1024), (3000, 512), (100, 2048)] + [(int(c), 1) for c in
+                                np.random.default_rng(0).integers(1, 4096, 64)]),
+        ("decode_b1_ctx8k_splitk", [(8000, 1)]),
+        ("decode_b256_ctx2k", [(int(c), 1) for c in np.random.default_rng(1).integers(1024, 2048, 256)]),
+    ]
+    for name, reqs in cases:
+        try:
+            out.append(_check_attention(name, reqs))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            out.append({"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        log(f"check {out[-1]}")
+    return out
+
+
+def run_graph_check(engine) -> dict:
+    try:
+        res = _check_graph_vs_eager(engine)
+    except Exception as exc:  # noqa: BLE001
+        res = {"name": "cuda_graph_vs_eager", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    log(f"check {res}")
+    return res
+
+
+# ----------------------------------------------------------------------------- tune
+def run_tune() -> dict:
+    """Sweep kernel launch options on Llama-3-8B attention shapes (bf16): decode at batch 256
+    (contexts 1-2k: KV bandwidth), decode at batch 1 (8k context: split-K), and prefill of 8192
+    fresh tokens (8 x 1024: TFLOP/s)."""
+    from tallyserve.attention.triton_attn import KernelConfig, paged_attention
+    from tallyserve.attention.triton_cache import write_kv_cache
+
+    def sweep(reqs, configs, unit):
+        q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, torch.bfloat16, num_padding=0)
+        write_kv_cache(k, v, cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        ctx = sum(meta.seq_lens_cpu)
+        kv_bytes = ctx * 8 * 128 * 2 * 2
+        flops = sum(4 * 32 * 128 * (n * (c + n) - n * (n - 1) / 2) for c, n in reqs)
+        rows = []
+        for cfg in configs:
+            try:
+                ms = _median_ms(lambda: paged_attention(q, cache, meta, 0.088, out=out, config=cfg), reps=10)
+                rate = kv_bytes / ms / 1e9 if unit == "TB/s" else flops / ms / 1e9
+                rows.append({"config": {k2: v2 for k2, v2 in dataclasses.asdict(cfg).items() if v2 is not None},
+                             "ms": round(ms, 4), unit: round(rate, 2)})
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"config": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            log(f"tune {rows[-1]}")
+        return rows
+
+    rng = np.random.default_rng(5)
+    dec = [KernelConfig(decode_block_n=n, decode_num_warps=w, decode_num_stages=st)
+           for n, w, st in ((64, 4, None), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 4, 2), (128, 8, 3),
+                            (64, 8, 3), (32, 2, 4), (16, 2, 4))]
+    res = {"decode_b256": sweep([(int(c), 1) for c in rng.integers(1024, 2048, 256)], dec, "TB/s")}
+    res["decode_b1_8k"] = sweep([(8000, 1)], [KernelConfig(num_splits=sp, decode_block_n=n)
+                                              for sp in (4, 8, 16, 32, 64) for n in (32, 64)], "TB/s")
+    pre = [KernelConfig(prefill_block_m=m, block_n=n, prefill_num_warps=w, prefill_num_stages=st)
+           for m, n, w, st in ((128, 64, 8, None), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (128, 64, 4, 3),
+                               (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2), (128, 64, 8, 4))]
+    res["prefill_8x1024"] = sweep([(0, 1024)] * 8, pre, "TFLOP/s")
+    res["prefill_4x1024_after_3k"] = sweep([(3072, 1024)] * 4, pre[:4], "TFLOP/s")
+    return res
+
+
+# ----------------------------------------------------------------------------- workloads
+def mixed_prompts(vocab: int, scale: float):
+    rng = np.random.default_rng(0)
+    n = max(1, int(256 * scale))
+    lo, hi = max(2, int(256 * scale)), max(3, int(1024 * scale))
+    lens = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(0, vocab, size=int(L)).tolist() for L in lens], max(1, int(256 * scale))
+
+
+def shared_prompts(vocab: int, scale: float):
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, vocab, size=max(2, int(2048 * scale))).tolist()
+    n = max(1, int(128 * scale))
+    return [prefix + rng.integers(0, vocab, size=max(1, int(64 * scale))).tolist() for _ in range(n)], max(1, int(64 * scale))
+
+
+def _snapshot(engine) -> dict:
+    stats = engine.stats()
+    graphs = getattr(engine.runner, "graph_runner", None)
+    return {"stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+            "timings": dict(engine.timings), "replays": graphs.num_replays if graphs is not None else 0}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    stats = {k: after["stats"][k] - before["stats"].get(k, 0) for k in after["stats"]
+             if k not in ("num_free_blocks", "num_total_blocks", "num_cached_blocks", "num_running", "num_waiting")}
+    timings = {k: round(after["timings"][k] - before["timings"].get(k, 0.0), 4) for k in after["timings"]}
+    return {"stats": stats, "timings_s": timings, "graph_replays": after["replays"] - before["replays"]}
+
+
+def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) -> dict:
+    """Add every prompt, step until all finish (or the deadline: then abort the rest)."""
+    from tallyserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = _snapshot(engine)
+    start = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    done, out_tokens, timed_out = set(), 0, False
+    runner, seen, step_log = engine.runner, [], []
+    execute = runner.execute
+
+    def traced(batch, *a, **kw):  # what each forward was: for the step-time profile below
+        m = batch.attn_meta
+        graphs = getattr(runner, "graph_runner", None)
+        seen.append((m.num_reqs, batch.num_tokens, m.max_query_len,
+                     bool(graphs is not None and graphs.can_run(batch))))
+        return execute(batch, *a, **kw)
+
+    runner.execute = traced
+    while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
+        outs = engine.step()
+        if seen:
+            step_log.append(seen.pop() + (time.perf_counter() - t_step,))
+            seen.clear()
+        for out in outs:
+            if out.finished and out.request_id not in done:
+                done.add(out.request_id)
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if time.perf_counter() > deadline:
+            timed_out = True
+            engine.abort_request([r for r in ids if r not in done])
+            engine.step()
+            break
+    wall = time.perf_counter() - start
+    runner.execute = execute
+    prompt_tokens = sum(len(p) for p in prompts)
+    res = {"requests": len(prompts), "completed": len(done), "prompt_tokens": prompt_tokens,
+           "output_tokens": out_tokens, "wall_s": wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
+           "output_tok_s": out_tokens / wall, "timed_out": timed_out}
+    res.update(_delta(before, _snapshot(engine)))
+    res["step_profile"] = _step_profile(step_log)
+    s = res["stats"]
+    res["ledger_ok"] = (s.get("scheduled_tokens") == s.get("forward_tokens")
+                        and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
+    return res
+
+
+def _step_profile(step_log) -> dict:
+    """Steps grouped as decode-only through a CUDA graph, decode-only eager, or with prefill rows:
+    count, total seconds, median ms, mean requests and tokens (step wall time, sampler sync included)."""
+    groups: dict = {}
+    for num_reqs, num_tokens, max_q, graph, secs in step_log:
+        kind = "decode_graph" if graph else ("decode_eager" if max_q == 1 else "with_prefill")
+        groups.setdefault(kind, []).append((num_reqs, num_tokens, secs))
+    out = {"slowest": [{"reqs": r, "tokens": t, "max_query_len": q, "graph": g, "ms": round(x * 1e3, 1)}
+                       for r, t, q, g, x in sorted(step_log, key=lambda e: -e[-1])[:6]]}
+    for kind, rows in groups.items():
+        secs = [r[2] for r in rows]
+        out[kind] = {"steps": len(rows), "total_s": round(sum(secs), 3), "median_ms": round(statistics.median(secs) * 1e3, 2),
+                     "mean_reqs": round(sum(r[0] for r in rows) / len(rows), 1),
+                     "mean_tokens": round(sum(r[1] for r in rows) / len(rows), 1)}
+    return out
+
+
+def run_decode(engine, vocab: int, steps: int, deadline: float) -> dict:
+    from tallyserve import SamplingParams
+
+    room = engine.config.scheduler_config.max_model_len - steps - 2
+    prompt = np.random.default_rng(2).integers(0, vocab, size=max(1, min(512, room))).tolist()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    rid = f"decode-{time.monotonic_ns()}"
+    before = dict(engine.timings)
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    times = []
+    while engine.has_unfinished_requests() and time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if engine.has_unfinished_requests():
+        engine.abort_request(rid)
+        engine.step()
+    decode = times[1:]  # the first step is the prefill
+    after = dict(engine.timings)
+    res = {"prefill_step_ms": times[0] * 1e3 if times else None, "decode_steps": len(decode),
+           "median_step_ms": statistics.median(decode) * 1e3 if decode else None,
+           "p90_step_ms": float(np.percentile(decode, 90)) * 1e3 if decode else None,
+           "timings_ms_per_step": {k: round((after[k] - before[k]) * 1e3 / max(1, len(times)), 3) for k in after}}
+    graphs = getattr(engine.runner, "graph_runner", None)
+    if graphs is not None and 1 in graphs.graphs:
+        with torch.inference_mode():
+            graphs._reset_padding(0, 1)  # a padding row: writes nothing, reads nothing
+        res["gpu_graph_replay_b1_ms"] = _median_ms(graphs.graphs[1].replay, reps=20)
+    return res
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+def run_hf(model_name: str, workloads: dict, deadline: float) -> dict:
+    import transformers
+    from transformers import GenerationConfig
+
+    cfg_path = REPO / "tallyserve" / "model_configs" / f"{model_name}.json"
+    config = transformers.AutoConfig.for_model(**json.loads(cfg_path.read_text()))
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    out = {"transformers": transformers.__version__}
+    for name, (prompts, max_new) in workloads.items():
+        expected = HF_SECONDS[name] * 1.3 * len(prompts) * max_new / {"mixed": 65536, "shared": 8192}[name]
+        if time.perf_counter() + expected > deadline:  # generate_batch cannot be interrupted
+            out[name] = {"skipped": f"time budget (needs about {expected:.0f} s)"}
+            continue
+        gen_cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            # no inference_mode here: HF's generation thread updates tensors in place
+            res = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+            wall = time.perf_counter() - start
+            gen = sum(len(getattr(r, "generated_tokens", []) or []) for r in res.values())
+            out[name] = {"wall_s": wall, "output_tokens": gen,
+                         "total_tok_s": (sum(len(p) for p in prompts) + gen) / wall}
+            if gen < len(prompts) * max_new:
+                out[name]["error"] = f"HF generated {gen} of {len(prompts) * max_new} tokens (see its log above)"
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"HF {name}: {out[name]}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def _table(results: dict) -> str:
+    rows = [("section", "result")]
+    m = results.get("micro")
+    if m and "matmul_bf16_tflops" in m:
+        rows.append(("micro", f"matmul {m['matmul_bf16_tflops']:.0f} TFLOP/s; copy {m['copy_read_plus_write_tb_s']:.2f} TB/s"
+                              f" (read+write), {m['copy_one_way_tb_s']:.2f} TB/s one-way"))
+    if results.get("checks"):
+        bad = [c["name"] for c in results["checks"] if not c.get("ok")]
+        rows.append(("checks", "all ok" if not bad else f"FAILED: {bad}"))
+    hf = results.get("hf", {})
+    for name in ("mixed", "shared"):
+        r = results.get(name)
+        if not r or "wall_s" not in r:
+            continue
+        line = (f"{r['wall_s']:.1f} s, {r['total_tok_s']:.0f} tok/s ({r['output_tok_s']:.0f} out tok/s), "
+                f"x{HF_SECONDS[name] / r['wall_s']:.1f} vs HF {HF_SECONDS[name]} s")
+        if name == "mixed":
+            line += f", {r['wall_s'] / ROOFLINE['mixed_s']:.1f}x roofline {ROOFLINE['mixed_s']} s"
+        if isinstance(hf.get(name), dict) and "wall_s" in hf[name]:
+            line += f", HF here {hf[name]['wall_s']:.1f} s (x{hf[name]['wall_s'] / r['wall_s']:.1f})"
+            if hf[name].get("error"):
+                line += f" HF ERROR: {hf[name]['error']}"
+        t = r["timings_s"]
+        parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "build", "forward", "sample", "update"))
+        line += (f"; ledger {'ok' if r['ledger_ok'] else 'VIOLATED'}; graphs {r['graph_replays']}"
+                 f"; steps {r['stats'].get('steps')}; t[s/b/f/s/u]={parts}")
+        for kind, g in r.get("step_profile", {}).items():
+            if kind != "slowest":
+                line += (f"; {kind}: {g['steps']} steps {g['total_s']:.1f} s"
+                         f" (median {g['median_ms']:.1f} ms, {g['mean_reqs']:.0f} reqs)")
+        if r.get("timed_out"):
+            line += " (TIMED OUT: partial)"
+        rows.append((name, line))
+    d = results.get("decode")
+    if d:
+        for key, r in d.items():
+            if r.get("median_step_ms"):
+                rows.append((f"decode[{key}]", f"median {r['median_step_ms']:.2f} ms/step (p90 {r['p90_step_ms']:.2f}),"
+                                              f" {r['median_step_ms'] / ROOFLINE['decode_step_ms']:.2f}x floor 3.8 ms,"
+                                              f" {r['decode_steps']} steps"
+                                              + (f"; GPU replay b=1 {r['gpu_graph_replay_b1_ms']:.2f} ms"
+                                                 if r.get("gpu_graph_replay_b1_ms") else "")
+                                              + "; per step ms " + "/".join(f"{v:.1f}" for v in
+                                                                           r["timings_ms_per_step"].values())))
+    if results.get("pytest"):
+        rows.append(("pytest", results["pytest"].get("summary", "?")))
+    for k in results.get("skipped", []):
+        rows.append(("skipped", k))
+    width = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS[:-1]), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--with-hf", action="store_true", help="also run HF generate_batch on mixed/shared (slow)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B against the default)")
+    ap.add_argument("--graph-ab", action="store_true", help="decode: also time with the graph runner switched off")
+    ap.add_argument("--pytest", action="store_true", help="also run pytest tests/gpu in a subprocess")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="skip sections once this much time has passed")
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (smoke tests)")
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (int/float/str)")
+    args = ap.parse_args()
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = only - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    results: dict = {"args": vars(args), "skipped": [], "env": {
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}}
+    try:
+        import triton
+        results["env"]["triton"] = triton.__version__
+    except ImportError:
+        results["env"]["triton"] = None
+    log(f"env {results['env']}")
+    on_gpu = torch.cuda.is_available()
+
+    if "micro" in only and on_gpu:
+        results["micro"] = bench_micro()
+        log(f"micro {results['micro']}")
+    if "checks" in only and on_gpu:
+        results["checks"] = run_kernel_checks()
+    if "tune" in only and on_gpu:
+        results["tune"] = run_tune()
+
+    engine = None
+    if only & {"mixed", "shared", "decode"} or ("checks" in only and on_gpu):  # they need the engine
+        from tallyserve import LLM
+
+        kwargs = dict(load_format="dummy", dtype=args.dtype, enforce_eager=args.enforce_eager)
+        for kv in args.engine_arg:
+            key, val = kv.split("=", 1)
+            for conv in (int, float):
+                try:
+                    val = conv(val)
+                    break
+                except ValueError:
+                    pass
+            kwargs[key] = val
+        t0 = time.perf_counter()
+        llm = LLM(model=args.model, **kwargs)
+        engine = llm.engine
+        results["engine_init_s"] = time.perf_counter() - t0
+        results["engine"] = {"backend": engine.runner.model.attn_backend.name,
+                             "num_blocks": engine.config.cache_config.num_blocks,
+                             "max_model_len": engine.config.scheduler_config.max_model_len,
+                             "max_num_batched_tokens": engine.config.scheduler_config.max_num_batched_tokens,
+                             "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None}
+        log(f"engine ready in {results['engine_init_s']:.1f} s: {results['engine']}")
+        if "checks" in only and on_gpu:
+            results["checks"].append(run_graph_check(engine))
+        vocab = engine.model_config.vocab_size
+        # compile the kernel variants (prefill tile sizes follow the longest query) and warm up
+        rng = np.random.default_rng(3)
+        for i, n in enumerate((2, 3, 6, 12, 24, 100, 700)):
+            n = min(n, engine.config.scheduler_config.max_model_len - 8)
+            warm = [rng.integers(0, vocab, size=n).tolist()] * 2
+            run_requests(engine, warm, 4, deadline, f"warmup{i}")
+        workloads = {"mixed": mixed_prompts(vocab, args.scale), "shared": shared_prompts(vocab, args.scale)}
+        for name in ("mixed", "shared"):
+            if name not in only:
+                continue
+            if time.perf_counter() > deadline:
+                results["skipped"].append(f"{name}: time budget")
+                continue
+            prompts, max_new = workloads[name]
+            log(f"{name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {max_new} new each")
+            try:
+                results[name] = run_requests(engine, prompts, max_new, deadline, name)
+            except Exception:  # noqa: BLE001
+                results[name] = {"error": traceback.format_exc()}
+            log(f"{name}: {json.dumps(results[name])}")
+        if "decode" in only:
+            results["decode"] = {}
+            if time.perf_counter() > deadline:
+                results["skipped"].append("decode: time budget")
+            else:
+                graphs = getattr(engine.runner, "graph_runner", None)
+                mode = "eager" if graphs is None else "graphs"
+                results["decode"][mode] = run_decode(engine, vocab, args.decode_steps, deadline)
+                log(f"decode[{mode}] {results['decode'][mode]}")
+                if args.graph_ab and graphs is not None and time.perf_counter() < deadline:
+                    engine.runner.graph_runner = None
+                    results["decode"]["eager"] = run_decode(engine, vocab, args.decode_steps, deadline)
+                    engine.runner.graph_runner = graphs
+                    log(f"decode[eager] {results['decode']['eager']}")
+        if args.with_hf:
+            del llm, engine
+            gc.collect()
+            torch.cuda.empty_cache()
+            results["hf"] = run_hf(args.model, {k: v for k, v in workloads.items() if k in only}, deadline)
+
+    if args.pytest:
+        try:
+            import pytest  # noqa: F401
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=max(60, deadline - time.perf_counter()))
+            tail = proc.stdout.strip().splitlines()
+            results["pytest"] = {"rc": proc.returncode, "summary": tail[-1] if tail else "", "tail": proc.stdout[-3000:]}
+        except ImportError:
+            results["pytest"] = {"summary": "pytest not installed"}
+        except subprocess.TimeoutExpired:
+            results["pytest"] = {"summary": "timed out"}
+
+    results["total_s"] = time.perf_counter() - t_start
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "h200_bench.json").write_text(json.dumps(results, indent=2, default=str))
+    print("\n" + _table(results) + f"\ntotal {results['total_s']:.0f} s", flush=True)
+    failed = [c for c in results.get("checks", []) if not c.get("ok")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

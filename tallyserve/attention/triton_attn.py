@@ -1,0 +1,378 @@
+"""Triton paged attention: the GPU fast path of ``AttentionBackend``.
+
+Reference: ``torch_ref.paged_attention`` (the parity target; tests/unit/test_triton_interpret.py
+runs these kernels under ``TRITON_INTERPRET=1`` against it, tests/gpu at full size).
+
+Two kernels cover a mixed batch, each skipping the other's requests (decided on the device):
+  * ``_prefill_kernel``: requests with more than one query row (prefill chunks over a cached
+    prefix, causal within the chunk). A program owns one KV head and a tile of BLOCK_Q query
+    tokens x all GROUP query heads of that KV head (rows = token * G_PAD + head), so each K/V
+    tile is loaded once for the whole GQA group. Programs find their request by a binary search
+    over query_start_loc: request i owns program ids [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q
+    + i + 1), which always covers its cdiv(len, BLOCK_Q) tiles; spare programs exit. So the grid
+    (T // BLOCK_Q + num_reqs, Hkv) needs only host-known sizes.
+  * ``_decode_kernel`` (+ ``_reduce_kernel``): requests with one query row, split-K over the
+    context (flash decoding) when there are too few (request, KV head) pairs to fill the GPU;
+    each split writes a normalised partial output and its log-sum-exp, the reduce merges them.
+Both use fp32 accumulation and an online softmax in base 2. Every length is read from device
+tensors; host values only pick tile sizes and grid bounds, so a decode step can be captured in a
+CUDA graph (capture with ``max_seq_len`` set to the capture-time bound). A request with
+``seq_len == 0`` (CUDA-graph padding) produces zeros and reads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
+from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.triton_cache import write_kv_cache
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a fully masked tile gives exp2(-inf) = 0, not NaN
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, n0, kv_end, q_pos, kv_head,
+    offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) through the block table: online-softmax update
+    of (acc, m_i, l_i). Unmasked tiles must lie wholly below kv_end and be visible to every row.
+    With EVEN_D (head_dim a power of two >= 16) loads carry no mask along head_dim, so they stay
+    vectorised; masked positions load 0, never an unwritten (possibly NaN) slot."""
+    k_pos = n0 + offs_n
+    if MASKED:
+        mask_n = k_pos < kv_end
+        block = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    k_ptrs = k_cache_ptr + base[None, :] + offs_d[:, None]  # (D, N): K transposed
+    v_ptrs = v_cache_ptr + base[:, None] + offs_d[None, :]  # (N, D)
+    if EVEN_D:
+        if MASKED:
+            k_t = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+        else:
+            k_t = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    elif MASKED:
+        k_t = tl.load(k_ptrs, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    else:
+        k_t = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    s = tl.dot(q, k_t, input_precision=PREC) * qk_scale
+    if MASKED:
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+# Runtime sizes are not specialised (Triton would otherwise compile a variant for value 1 and for
+# multiples of 16 of each, at a second or more per compile mid-run), so batches of any size and
+# block-table width reuse one compiled kernel per tile shape.
+@triton.jit(do_not_specialize=["num_reqs", "search_steps", "stride_bt"])
+def _prefill_kernel(
+    q_ptr, o_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, search_steps, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The request of this program: the largest i with qsl[i] // BLOCK_Q + i <= pid.
+    lo = pid * 0
+    hi = lo + num_reqs - 1
+    for _ in range(search_steps):  # search_steps = bit_length(num_reqs): a runtime bound, no recompiles
+        mid = (lo + hi + 1) // 2
+        go = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    req = lo
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    t0 = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    run = t0 < q_len
+    if SKIP_DECODE:
+        run = run & (q_len > 1)
+    if run:
+        seq_len = tl.load(seq_lens_ptr + req)
+        first_pos = seq_len - q_len
+        offs_m = tl.arange(0, BLOCK_Q * G_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        mask_d = offs_d < HEAD_DIM
+        tok = t0 + offs_m // G_PAD
+        head = kv_head * GROUP + offs_m % G_PAD
+        row_ok = (tok < q_len) & (offs_m % G_PAD < GROUP)
+        rows = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        q_pos = first_pos + tok
+        acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_Q * G_PAD], _NEG_BIG, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+        kv_end = first_pos + tl.minimum(t0 + BLOCK_Q, q_len)  # the tile's last row sees keys [0, kv_end)
+        free_end = (first_pos + t0 + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+        for n0 in range(0, free_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, kv_end, q_pos, kv_head,
+                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+                BLOCK_SIZE=BLOCK_SIZE, MASKED=False, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
+        for n0 in range(free_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, kv_end, q_pos, kv_head,
+                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+                BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=True, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_kernel(
+    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch, num_q_heads, num_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_len == 1:
+        seq_len = tl.load(seq_lens_ptr + req)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        mask_d = offs_d < HEAD_DIM
+        row_ok = offs_m < GROUP
+        head = kv_head * GROUP + offs_m
+        row = q_start.to(tl.int64)
+        q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        n_start = split * chunk
+        n_end = tl.minimum(n_start + chunk, seq_len)
+        for n0 in range(n_start, n_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, n_end, offs_m, kv_head,
+                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+                BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if not SPLIT:
+            tl.store(o_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+        else:
+            # partials: lse (num_reqs, Hq, num_splits) and outputs (num_reqs, Hq, num_splits, D_PAD), fp32
+            part = (req.to(tl.int64) * num_q_heads + head) * num_splits + split
+            tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None] & mask_d[None, :])
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(
+    o_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Merge the splits of one (decode request, query head): weights exp2(lse_s - max lse)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_len == 1:
+        offs_s = tl.arange(0, S_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        mask_s = offs_s < num_splits
+        part = (req.to(tl.int64) * num_q_heads + head) * num_splits + offs_s
+        lse = tl.load(part_lse_ptr + part, mask=mask_s, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+        parts = tl.load(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        total = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options; ``None`` fields are chosen from the shapes (see
+    ``paged_attention``). benchmarks/h200_bench.py --only tune sweeps some of them."""
+
+    block_n: Optional[int] = None  # keys per tile (both kernels unless decode_block_n is set)
+    prefill_block_m: Optional[int] = None  # rows (query tokens x padded group) of a prefill tile
+    decode_block_n: Optional[int] = None
+    prefill_num_warps: Optional[int] = None
+    prefill_num_stages: Optional[int] = None  # None: Triton's default
+    decode_num_warps: int = 4
+    decode_num_stages: Optional[int] = None
+    num_splits: Optional[int] = None  # decode split-K; None: fill the GPU (see _decode_splits)
+    max_splits: int = 32
+    min_split_len: int = 256  # fewer keys than this per split is not worth a split
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _decode_splits(cfg: KernelConfig, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Power-of-two split count so that about two programs per SM run, bounded by the context."""
+    if cfg.num_splits is not None:
+        return cfg.num_splits
+    want = triton.cdiv(2 * _sm_count(device), max(1, num_reqs * num_kv_heads))
+    by_len = max(1, max_seq_len // cfg.min_split_len)
+    splits = min(want, by_len, cfg.max_splits)
+    return 1 << (max(1, splits).bit_length() - 1)  # round down to a power of two
+
+
+def _common_args(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    k_cache = kv_cache[0]
+    return (k_cache, kv_cache[1], meta.block_tables, meta.query_start_loc, meta.seq_lens), (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: Optional[torch.Tensor] = None, config: KernelConfig = KernelConfig(),
+) -> torch.Tensor:
+    """Causal paged attention of q (T, Hq, D) over the already written cache; (T, Hq, D) in q's
+    dtype. ``out`` (optional) is written in full: request rows by the kernels, padding rows zeroed."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"triton attention supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    num_reqs = meta.num_reqs
+    if meta.num_tokens < num_tokens:
+        out[meta.num_tokens:].zero_()
+    if num_reqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    fp32 = q.dtype == torch.float32  # exact ("ieee") fp32 dots need far more registers: small tiles
+    # defaults from benchmarks/h200_bench.py --only tune on an H200 (Llama-3-8B shapes, bf16)
+    prefill_block_n = config.block_n or 32
+    decode_block_n = config.decode_block_n or config.block_n or (32 if fp32 or d_pad > 128 else 64)
+    prec = "ieee" if fp32 else "tf32"
+    tensors, strides = _common_args(q, out, kv_cache, meta)
+    block_size = kv_cache.shape[2]
+    qk_scale = scale * _LOG2E
+    if meta.max_query_len > 1:
+        g_pad = triton.next_power_of_2(group)
+        block_m = config.prefill_block_m or (32 if fp32 else 128 if d_pad <= 128 else 64)
+        want = triton.next_power_of_2(meta.max_query_len) * g_pad
+        block_m = max(16, g_pad, min(block_m, want))
+        block_q = block_m // g_pad
+        grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+        _prefill_kernel[grid](
+            q, out, *tensors, num_reqs, num_reqs.bit_length(), qk_scale, *strides,
+            GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+            BLOCK_Q=block_q, BLOCK_N=prefill_block_n, SKIP_DECODE=True, PREC=prec,
+            num_warps=config.prefill_num_warps or (8 if d_pad > 128 else 4),
+            **_stages(config.prefill_num_stages),
+        )
+    if _has_decode_rows(meta):
+        _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, decode_block_n, block_size, prec,
+                       config)
+    return out
+
+
+def _stages(num_stages: Optional[int]) -> dict:
+    return {} if num_stages is None else {"num_stages": num_stages}
+
+
+_last_qsl: list = [None, False]  # one-entry cache: every layer of a step passes the same tuple
+
+
+def _has_decode_rows(meta: AttentionMetadata) -> bool:
+    if meta.max_query_len <= 1:
+        return True
+    qsl = meta.query_start_loc_cpu
+    if _last_qsl[0] is not qsl:
+        _last_qsl[:] = [qsl, any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))]
+    return _last_qsl[1]
+
+
+def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block_n, block_size, prec, config):
+    num_reqs, num_kv_heads = meta.num_reqs, tensors[0].shape[2]
+    num_q_heads = q.shape[1]
+    splits = _decode_splits(config, num_reqs, num_kv_heads, meta.max_seq_len, q.device)
+    block_m = max(16, triton.next_power_of_2(group))
+    if splits > 1:
+        part_o = torch.empty((num_reqs, num_q_heads, splits, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(num_reqs, num_kv_heads, splits)](
+        q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, qk_scale, *strides,
+        num_q_heads, splits,
+        GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, SPLIT=splits > 1, PREC=prec, num_warps=config.decode_num_warps,
+        **_stages(config.decode_num_stages),
+    )
+    if splits > 1:
+        _reduce_kernel[(num_reqs, num_q_heads)](
+            out, part_o, part_lse, meta.query_start_loc, strides[2], strides[3], num_q_heads, splits,
+            HEAD_DIM=q.shape[2], D_PAD=d_pad, S_PAD=triton.next_power_of_2(max(splits, config.max_splits)), num_warps=1,
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels for both halves: ``triton_cache.write_kv_cache`` then ``paged_attention``.
+    Reads lengths only from device tensors, so decode steps can be captured in CUDA graphs."""
+
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, config: KernelConfig = KernelConfig()) -> None:
+        self.config = config
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_attention_inputs(q, k, v, kv_cache, meta)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale, config=self.config)

@@ -1,0 +1,205 @@
+"""CUDA-graph capture and replay of decode-only steps (every request has exactly one query row).
+
+One graph per batch-size bucket (1, 2, 4, ..., 256, capped at max_num_seqs, which is itself the
+last bucket). All graphs read the same static input buffers, sized for the largest bucket:
+
+    input_ids, positions, slot_mapping (n,) int64;  seq_lens (n,) int32;
+    query_start_loc (n + 1,) int32 = arange (a decode row per request, padding included);
+    block_tables (n, max_blocks_per_seq) int32.
+
+A batch of B requests replays the smallest bucket b >= B: its rows are copied into [0, B) (device
+to device, on the stream, no sync: ``ForwardBatch.build`` already moved them from pinned host
+memory), and rows [B, b) become padding requests with slot -1 (their K/V is never written) and
+seq_len 0 (they read no key, so they output zeros and never touch a real row). The graph's output
+rows [0, B) are returned (final-norm hidden states; the runner computes logits of the sampled rows).
+
+The attention backend must read lengths only from device tensors (``supports_cuda_graph``); the
+capture-time metadata carries ``max_seq_len = max_model_len`` so host-side choices (e.g. the decode
+split count) hold for every replay. The KV caches are captured by address: they must not be
+reallocated afterwards.
+
+``graph_factory`` is injectable: on CUDA it records real graphs; tests on the CPU pass a factory
+that "replays" by re-running the captured function on the same static buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable, Optional, Protocol
+
+import torch
+from torch import nn
+
+from tallyserve.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PADDING_SLOT = -1
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Capture sizes: powers of two below min(max_num_seqs, 256), then that cap itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    cap = min(max_num_seqs, BATCH_BUCKETS[-1])
+    return tuple(b for b in BATCH_BUCKETS if b < cap) + (cap,)
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphFactory(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]: ...
+
+
+class TorchCudaGraphFactory:
+    """Real CUDA graphs sharing one memory pool (capture the largest bucket first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        return graph, out
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        max_seq_len: Optional[int] = None,
+        graph_factory: Optional[GraphFactory] = None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_blocks_per_seq = max(1, int(max_blocks_per_seq))
+        self.max_seq_len = int(max_seq_len) if max_seq_len is not None else self.max_blocks_per_seq * block_size
+        self.buckets = batch_buckets(max_num_seqs)
+        self.graph_factory = graph_factory
+        n = self.buckets[-1]
+        with torch.inference_mode():
+            kw = dict(device=self.device)
+            self.input_ids = torch.zeros(n, dtype=torch.int64, **kw)
+            self.positions = torch.zeros(n, dtype=torch.int64, **kw)
+            self.slot_mapping = torch.full((n,), PADDING_SLOT, dtype=torch.int64, **kw)
+            self.seq_lens = torch.zeros(n, dtype=torch.int32, **kw)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **kw)
+            self.block_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, **kw)
+        self.graphs: dict[int, Graph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    # ------------------------------------------------------------------ capture
+    def capture_meta(self, size: int) -> AttentionMetadata:
+        """Metadata of bucket ``size`` over views of the static buffers (host fields: bounds)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc_cpu=tuple(range(size + 1)),
+            seq_lens_cpu=(self.max_seq_len,) * size,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
+        meta = self.capture_meta(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        return lambda: self.model(ids, pos, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its pool memory). The static
+        buffers hold padding only (slot -1, seq_len 0), so warm-up runs write no cache slot."""
+        if self.graph_factory is None:
+            self.graph_factory = TorchCudaGraphFactory(self.device)
+        self._reset_padding(0, self.buckets[-1])
+        start = time.perf_counter()
+        for size in reversed(self.buckets):
+            fn = self._forward_fn(size)
+            fn()  # warm-up: compiles the Triton kernels and creates library handles outside the graph
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.graphs[size], self.outputs[size] = self.graph_factory.capture(fn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s",
+                    len(self.buckets), list(self.buckets), time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ replay
+    def bucket_for(self, num_reqs: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_reqs)]
+
+    def can_run(self, batch) -> bool:
+        """A captured decode step fits: one row per request, no trailing padding rows, sizes in range."""
+        meta: AttentionMetadata = batch.attn_meta
+        return (
+            bool(self.graphs)
+            and meta.max_query_len == 1
+            and 0 < meta.num_reqs <= self.buckets[-1]
+            and batch.num_tokens == meta.num_reqs == batch.input_ids.shape[0]
+            and meta.block_size == self.block_size
+            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+            and meta.max_seq_len <= self.max_seq_len
+        )
+
+    def _reset_padding(self, start: int, end: int) -> None:
+        if end > start:
+            self.slot_mapping[start:end].fill_(PADDING_SLOT)
+            self.seq_lens[start:end].zero_()
+
+    @torch.inference_mode()
+    def run(self, batch) -> torch.Tensor:
+        """Replay the graph of the batch's bucket; returns hidden states (B, hidden) of the real
+        rows: a view of the graph's static output, valid until the next replay."""
+        meta: AttentionMetadata = batch.attn_meta
+        num = meta.num_reqs
+        size = self.bucket_for(num)
+        self.input_ids[:num].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:num].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:num].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:num].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:num, :width].copy_(meta.block_tables, non_blocking=True)
+        self._reset_padding(num, size)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.outputs[size][:num]
+
+
+def make_graph_runner(
+    model: nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+    device: torch.device, dtype: torch.dtype, block_size: int,
+) -> Optional[CudaGraphRunner]:
+    """A captured CudaGraphRunner when the device is CUDA and the model's attention backend can be
+    captured; None otherwise (the runner then stays eager)."""
+    if device.type != "cuda":
+        return None
+    backend = getattr(model, "attn_backend", None)
+    if not getattr(backend, "supports_cuda_graph", False):
+        logger.warning("attention backend %r cannot be captured in CUDA graphs: decode runs eagerly",
+                       getattr(backend, "name", backend))
+        return None
+    max_blocks = -(-max_model_len // block_size)
+    runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_blocks, device, dtype, block_size,
+                             max_seq_len=max_model_len)
+    runner.capture()
+    return runner

@@ -1,0 +1,254 @@
+"""CUDA-graph decode replay (tallyserve/runner/cuda_graph.py).
+
+CPU part (always runs): the runner's buckets, static buffers, copy-in and padding logic, with a
+fake graph factory whose "replay" re-runs the captured function on the same static buffers, and a
+test-only graph-safe torch attention backend (reads lengths only from device tensors). Padding
+requests must never write a cache slot and real rows must equal an eager reference.
+
+GPU part (skipped without CUDA): real graphs with the Triton backend equal eager output, and an
+engine run with graphs gives the same greedy tokens as enforce_eager and Hugging Face, with an
+exact ledger.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny_models
+from tiny_models import PagedKV, load_hf_model, make_tiny_model  # noqa: E402
+
+from tallyserve.attention import torch_ref  # noqa: E402
+from tallyserve.attention.backend import AttentionBackend, get_attn_backend  # noqa: E402
+from tallyserve.models.loader import load_model, resolve_model  # noqa: E402
+from tallyserve.runner.cuda_graph import CudaGraphRunner, batch_buckets  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# --------------------------------------------------------------------------- test doubles (CPU)
+class StaticDecodeBackend(AttentionBackend):
+    """Graph-safe torch attention for decode-only steps: fixed shapes, lengths from device tensors
+    only (so a captured call replays correctly with other lengths); prefill goes to the reference."""
+
+    name = "static_torch"
+    supports_cuda_graph = True
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        if meta.max_query_len > 1:
+            return torch_ref.TorchRefBackend().forward(q, k, v, kv_cache, meta, scale)
+        nb, bs, hkv, dim = kv_cache.shape[1:]
+        flat = kv_cache.view(2, nb * bs, hkv, dim)
+        slots = meta.slot_mapping
+        keep = slots >= 0
+        flat[0, slots[keep]] = k[keep].to(kv_cache.dtype)
+        flat[1, slots[keep]] = v[keep].to(kv_cache.dtype)
+        width = meta.block_tables.shape[1] * bs
+        pos = torch.arange(width)
+        lens = meta.seq_lens.long()
+        slot_of = meta.block_tables.long()[:, pos // bs] * bs + pos % bs  # (B, width)
+        keys, values = flat[0][slot_of].float(), flat[1][slot_of].float()  # (B, width, Hkv, D)
+        valid = pos[None, :] < lens[:, None]
+        keys = torch.where(valid[:, :, None, None], keys, 0.0)  # unwritten slots may hold NaN
+        values = torch.where(valid[:, :, None, None], values, 0.0)
+        group = q.shape[1] // hkv
+        qs = q.float().view(q.shape[0], hkv, group, dim)
+        scores = torch.einsum("bhgd,bkhd->bhgk", qs, keys) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)  # seq_len 0 (padding): all -inf -> zeros
+        return torch.einsum("bhgk,bkhd->bhgd", probs, values).reshape(q.shape).to(q.dtype)
+
+
+class ReplayByRerun:
+    """Fake graph factory: replay re-runs the captured function and refreshes the static output."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn):
+        self.captured += 1
+        out = fn()
+        return SimpleNamespace(replay=lambda: out.copy_(fn())), out
+
+
+def _batch(ids, positions, meta):
+    return SimpleNamespace(input_ids=ids, positions=positions, attn_meta=meta, num_tokens=int(ids.shape[0]))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("graph"), "llama")
+
+
+def _load(path, backend, device="cpu", dtype=torch.float32):
+    return load_model(resolve_model(path, "auto"), "auto", dtype, torch.device(device), 0, backend)
+
+
+# --------------------------------------------------------------------------- CPU tests
+def test_buckets():
+    assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert batch_buckets(1000)[-1] == 256
+    with pytest.raises(ValueError):
+        batch_buckets(0)
+
+
+def test_fake_replay_matches_eager_and_padding_writes_nothing(tiny_dir):
+    """Decode batches of changing size through the graph runner (with bucket padding) vs the eager
+    torch reference; prefill chunks run eagerly in between, as the ModelRunner would."""
+    ref_model, graph_model = _load(tiny_dir, None), _load(tiny_dir, StaticDecodeBackend())
+    ref_kv = PagedKV(ref_model, num_blocks=64, block_size=4, seed=3)
+    graph_kv = PagedKV(graph_model, num_blocks=64, block_size=4, seed=3)  # same block ids handed out
+    factory = ReplayByRerun()
+    runner = CudaGraphRunner(graph_model, graph_kv.kv_caches, max_num_seqs=8, max_blocks_per_seq=16,
+                             device=torch.device("cpu"), dtype=torch.float32, block_size=4, graph_factory=factory)
+    runner.capture()
+    assert factory.captured == len(runner.buckets) == 4
+    assert all(torch.isnan(c).all() for c in graph_kv.kv_caches), "capture must not write the cache"
+    rng = random.Random(0)
+    prompts = [(f"r{j}", [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]) for j in range(8)]
+    for chunk in (prompts[:5], prompts[5:]):  # eager prefills in both
+        ref_kv.step(chunk)
+        graph_kv.step(chunk)
+    # sizes shrink inside buckets, so stale rows of a bigger batch would become live padding rows
+    sizes = [8, 5, 3, 4, 1, 2, 7, 6, 5, 2, 3, 8]
+    for step, n in enumerate(sizes):
+        reqs = rng.sample([rid for rid, _ in prompts], n)
+        batch = [(rid, [rng.randrange(3, 250)]) for rid in reqs]
+        ref = ref_kv.step(batch)
+        ids, positions, meta = graph_kv.build(batch)
+        fb = _batch(ids, positions, meta)
+        assert runner.can_run(fb)
+        hidden = runner.run(fb)
+        assert hidden.shape[0] == len(batch)
+        size = runner.bucket_for(n)
+        # padding rows of the replayed bucket: no cache write, no key read (stale rows would
+        # rewrite slots whose blocks may belong to another request by now)
+        assert (runner.slot_mapping[n:size] == -1).all() and (runner.seq_lens[n:size] == 0).all()
+        assert torch.equal(runner.slot_mapping[:n], meta.slot_mapping)
+        logits = graph_model.compute_logits(hidden)
+        for row, (rid, _) in enumerate(batch):
+            torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
+    assert runner.num_replays == 12
+    # the graph cache equals the reference cache (NaN where never written: padding wrote nothing)
+    for a, b in zip(ref_kv.kv_caches, graph_kv.kv_caches):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+
+
+def test_can_run_rejects_non_decode_and_oversize(tiny_dir):
+    model = _load(tiny_dir, StaticDecodeBackend())
+    kv = PagedKV(model, num_blocks=64, block_size=4)
+    runner = CudaGraphRunner(model, kv.kv_caches, max_num_seqs=2, max_blocks_per_seq=4,
+                             device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                             graph_factory=ReplayByRerun())
+    ids, pos, meta = kv.build([("a", [5, 6, 7])])
+    assert not runner.can_run(_batch(ids, pos, meta)), "not captured yet"
+    runner.capture()
+    assert not runner.can_run(_batch(ids, pos, meta)), "prefill chunk"
+    ids, pos, meta = kv.build([("a", [8]), ("b", [9, 10])])
+    assert not runner.can_run(_batch(ids, pos, meta)), "mixed batch"
+    ids, pos, meta = kv.build([("a", [1]), ("b", [2]), ("c", [3])])
+    assert not runner.can_run(_batch(ids, pos, meta)), "more requests than the largest bucket"
+    ids, pos, meta = kv.build([("a", [4]), ("b", [5])], num_padding=1)
+    assert not runner.can_run(_batch(ids, pos, meta)), "trailing padding rows"
+    ids, pos, meta = kv.build([("a", [4]), ("b", [5])])
+    assert runner.can_run(_batch(ids, pos, meta))
+    kv.build([("a", list(range(10)))])  # a reaches 16 tokens = 4 blocks
+    ids, pos, meta = kv.build([("a", [4])])
+    assert not runner.can_run(_batch(ids, pos, meta)), "block table wider than captured"
+    assert runner.bucket_for(1) == 1 and runner.bucket_for(2) == 2
+
+
+def test_model_runner_stays_eager_on_cpu(tiny_dir):
+    from tallyserve.runner.model_runner import ModelRunner
+
+    model = _load(tiny_dir, get_attn_backend("torch"))
+    runner = ModelRunner(model, model.config, 16, 4, torch.device("cpu"), torch.float32, use_cuda_graph=True)
+    assert runner.graph_runner is None
+
+
+# --------------------------------------------------------------------------- GPU tests
+def _to(meta, device):
+    import dataclasses
+
+    return dataclasses.replace(meta, slot_mapping=meta.slot_mapping.to(device),
+                               query_start_loc=meta.query_start_loc.to(device), seq_lens=meta.seq_lens.to(device),
+                               block_tables=meta.block_tables.to(device))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(tiny_dir, dtype):
+    dev = torch.device("cuda")
+    model = _load(tiny_dir, get_attn_backend("triton"), "cuda", dtype)
+    kv = PagedKV(model, num_blocks=128, block_size=16, seed=0, dtype=dtype)
+    kv.kv_caches = [c.to(dev) for c in kv.kv_caches]
+    runner = CudaGraphRunner(model, kv.kv_caches, max_num_seqs=16, max_blocks_per_seq=32, device=dev,
+                             dtype=dtype, block_size=16, max_seq_len=512)
+    runner.capture()
+    rng = random.Random(1)
+    reqs = [f"r{i}" for i in range(11)]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        ids, pos, meta = kv.build([(r, [rng.randrange(3, 250) for _ in range(rng.randint(1, 40))]) for r in reqs])
+        model(ids.to(dev), pos.to(dev), kv.kv_caches, _to(meta, dev))
+        for n in (11, 3, 16, 1, 7):
+            if n > len(reqs):  # admit more requests (eager prefill) so that a batch of n exists
+                new = [f"s{i}" for i in range(n - len(reqs))]
+                reqs += new
+                new_ids, new_pos, m = kv.build([(r, [7, 8]) for r in new])
+                model(new_ids.to(dev), new_pos.to(dev), kv.kv_caches, _to(m, dev))
+            batch = [(r, [rng.randrange(3, 250)]) for r in rng.sample(reqs, n)]
+            ids, pos, meta = kv.build(batch)
+            fb = _batch(ids.to(dev), pos.to(dev), _to(meta, dev))
+            assert runner.can_run(fb)
+            snapshot = [c.clone() for c in kv.kv_caches]
+            graph_hidden = runner.run(fb).clone()
+            graph_caches = [c.clone() for c in kv.kv_caches]
+            for c, s in zip(kv.kv_caches, snapshot):
+                c.copy_(s)
+            eager_hidden = model(fb.input_ids, fb.positions, kv.kv_caches, fb.attn_meta)
+            torch.testing.assert_close(graph_hidden, eager_hidden, atol=tol, rtol=tol)
+            for a, b in zip(graph_caches, kv.kv_caches):
+                # the same slots written (NaN elsewhere); values equal up to rounding: the graph was
+                # captured with a larger max_seq_len bound, so its decode split count differs
+                assert torch.equal(a.isnan(), b.isnan())
+                torch.testing.assert_close(a.nan_to_num(0), b.nan_to_num(0), atol=tol, rtol=tol)
+    assert runner.num_replays == 5
+
+
+@cuda
+def test_engine_with_cuda_graphs_matches_eager_and_hf(tiny_dir):
+    from tallyserve import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 40))] for _ in range(9)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=tiny_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8)
+        assert llm.engine.runner.model.attn_backend.name == "triton"
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[eager] = [o.outputs[0].token_ids for o in outs]
+        s = llm.stats()
+        assert s["scheduled_tokens"] == s["forward_tokens"] > 0
+        assert s["ledger_violations"] == 0 and s["step_errors"] == 0
+        graph_runner = llm.engine.runner.graph_runner
+        if eager:
+            assert graph_runner is None
+        else:
+            assert graph_runner is not None and graph_runner.num_replays > 0
+    assert runs[True] == runs[False]
+    hf = load_hf_model(tiny_dir)
+    for p, toks in zip(prompts, runs[False]):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False)
+        assert toks == ref[0, len(p):].tolist()
