@@ -4,7 +4,8 @@
     python3 benchmarks/h200_bench.py [--only micro,checks,mixed,shared,decode] [--with-hf]
                                      [--enforce-eager] [--graph-ab] [--pytest]
 
-Sections (in this order; each is skipped once --budget-s, default 540 s, is spent):
+Sections (in this order; each is skipped once --budget-s, default 540 s, is spent; --pytest and
+--with-hf run before the engine is built, since the engine takes most of the card for its KV pool):
   micro   bf16 matmul TFLOP/s (8192^3, median of 10) and device copy bandwidth
   checks  quick GPU checks: Triton kernels vs the torch reference at Llama-3-8B attention shapes
           (mixed batch, split-K decode), and CUDA-graph replay vs eager on the real model
@@ -546,6 +547,26 @@ def main() -> int:
     if "tune" in only and on_gpu:
         results["tune"] = run_tune()
 
+    if args.pytest:
+        try:
+            import pytest  # noqa: F401
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=max(60, deadline - time.perf_counter()))
+            tail = proc.stdout.strip().splitlines()
+            results["pytest"] = {"rc": proc.returncode, "summary": tail[-1] if tail else "", "tail": proc.stdout[-3000:]}
+        except ImportError:
+            results["pytest"] = {"summary": "pytest not installed"}
+        except subprocess.TimeoutExpired:
+            results["pytest"] = {"summary": "timed out"}
+
+    if args.with_hf and on_gpu:
+        # Before our engine exists: it takes gpu_memory_utilization of the card for its KV pool.
+        from tallyserve.models.loader import resolve_model
+
+        hf_vocab = resolve_model(args.model, "dummy").model_config.vocab_size
+        hf_loads = {"mixed": mixed_prompts(hf_vocab, args.scale), "shared": shared_prompts(hf_vocab, args.scale)}
+        results["hf"] = run_hf(args.model, {k: v for k, v in hf_loads.items() if k in only}, deadline)
+
     engine = None
     if only & {"mixed", "shared", "decode"} or ("checks" in only and on_gpu):  # they need the engine
         from tallyserve import LLM
@@ -607,23 +628,6 @@ def main() -> int:
                     results["decode"]["eager"] = run_decode(engine, vocab, args.decode_steps, deadline)
                     engine.runner.graph_runner = graphs
                     log(f"decode[eager] {results['decode']['eager']}")
-        if args.with_hf:
-            del llm, engine
-            gc.collect()
-            torch.cuda.empty_cache()
-            results["hf"] = run_hf(args.model, {k: v for k, v in workloads.items() if k in only}, deadline)
-
-    if args.pytest:
-        try:
-            import pytest  # noqa: F401
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"], cwd=REPO,
-                                  capture_output=True, text=True, timeout=max(60, deadline - time.perf_counter()))
-            tail = proc.stdout.strip().splitlines()
-            results["pytest"] = {"rc": proc.returncode, "summary": tail[-1] if tail else "", "tail": proc.stdout[-3000:]}
-        except ImportError:
-            results["pytest"] = {"summary": "pytest not installed"}
-        except subprocess.TimeoutExpired:
-            results["pytest"] = {"summary": "timed out"}
 
     results["total_s"] = time.perf_counter() - t_start
     out_dir = os.environ.get("OUT")

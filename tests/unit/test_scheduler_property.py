@@ -106,7 +106,7 @@ def run_workload(cfg, reqs, max_steps=3000):
     return sched
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=EXAMPLES <= 100)
 @given(workloads())
 def test_hypothesis_scheduler_invariants(workload):
     cfg, reqs = workload
