@@ -36,6 +36,7 @@ def workloads(draw):
         prefix=draw(st.booleans()), partial=draw(st.booleans()),
         host_blocks=draw(st.sampled_from([0, 0, 2, 16])),
         spec=draw(st.sampled_from([0, 0, 1, 3])),
+        forks=draw(st.sampled_from([0, 0, 0.2])),
         rng=draw(st.randoms(use_true_random=False)),
     )
     shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=max_len - 2))
@@ -64,6 +65,22 @@ def propose(sched, cfg, refs):
         sched.set_draft_tokens(req.request_id, drafts)
 
 
+def fork_some(sched, cfg, objs, reqs_by_id, refs):
+    """Beam-style forks: a copy shares the parent's full blocks and copies its partial one."""
+    rng = cfg["rng"]
+    for req in list(sched.running):
+        if rng.random() >= cfg["forks"] or req.request_id.count("+") >= 2:
+            continue
+        child_id = f"{req.request_id}+{len(objs)}"
+        try:
+            child = sched.fork_request(req.request_id, child_id)
+        except ValueError:  # no free block for the copy-on-write: a beam group would wait
+            continue
+        objs[child_id] = child
+        reqs_by_id[child_id] = reqs_by_id[req.request_id]
+        refs[child_id] = refs[req.request_id]
+
+
 def run_workload(cfg, reqs, max_steps=3000):
     sched = Scheduler(
         SchedulerConfig(cfg["budget"], cfg["max_num_seqs"], cfg["max_len"], cfg["chunked"]),
@@ -72,6 +89,7 @@ def run_workload(cfg, reqs, max_steps=3000):
     runner = OracleRunner(cfg["num_blocks"], cfg["block_size"], cfg["host_blocks"])
     objs, results = {}, {}
     refs = {rid: reference_output(prompt, 64) for rid, prompt, *_ in reqs}
+    reqs_by_id = {r[0]: r for r in reqs}
     for step in range(max_steps):
         for rid, prompt, max_tokens, arrive, abort_at, prio in reqs:
             if arrive == step:
@@ -90,27 +108,29 @@ def run_workload(cfg, reqs, max_steps=3000):
                 results[r.request_id] = r
             if cfg.get("spec"):
                 propose(sched, cfg, refs)
+            if cfg.get("forks"):
+                fork_some(sched, cfg, objs, reqs_by_id, refs)
         sched.kv.check_integrity()
         if step > 10 and not sched.has_unfinished_requests():
             break
     assert not sched.has_unfinished_requests(), f"requests left after {max_steps} steps: {sched.requests}"
     assert sched.kv.num_free_blocks == cfg["num_blocks"]
-    for rid, prompt, max_tokens, _, abort_at, _ in reqs:
-        r = objs[rid]
+    for rid, r in objs.items():
+        _, prompt, max_tokens, _, abort_at, _ = reqs_by_id[rid]
         want = reference_output(prompt, max_tokens)
         if r.status == RequestStatus.FINISHED_ABORTED:
             assert r.output_token_ids == want[: len(r.output_token_ids)]
         else:
             assert r.status == RequestStatus.FINISHED_LENGTH, r
             assert r.output_token_ids == want
-    return sched
+    return sched, objs
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=EXAMPLES <= 100)
 @given(workloads())
 def test_hypothesis_scheduler_invariants(workload):
     cfg, reqs = workload
-    stats = run_workload(cfg, reqs).stats
+    stats = run_workload(cfg, reqs)[0].stats
     assert stats.ledger_violations == 0
     assert stats.spec_accepted <= stats.spec_proposed
 
@@ -135,11 +155,18 @@ SHARED = list(range(10, 30))
         # an oracle proposer: some drafts accepted, some rejected
         (dict(num_blocks=32, spec=3), [(f"s{i}", list(range(i, i + 5)), 20, 0, None, 0) for i in range(3)],
          "spec_accepted"),
+        # beam-style forks in a tight pool: shared full blocks, copy-on-write partial blocks, preemption
+        (dict(num_blocks=14, forks=0.5), [(f"b{i}", list(range(i, i + 7)), 12, 0, None, 0) for i in range(2)],
+         "forks"),
     ],
 )
 def test_each_mechanism_really_runs(overrides, reqs, stat):
     cfg = dict(BASE, **overrides, rng=random.Random(0))
-    stats = run_workload(cfg, reqs).stats
+    sched, objs = run_workload(cfg, reqs)
+    stats = sched.stats
+    if stat == "forks":  # every fork finished with its parent's exact output (checked in run_workload)
+        assert sum("+" in rid for rid in objs) >= 3
+        return
     assert getattr(stats, stat) > 0, stats
     if stat == "spec_accepted":
         assert stats.spec_accepted < stats.spec_proposed  # wrong drafts were rejected, output still exact
