@@ -55,6 +55,8 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed,
                            get_attn_backend("auto", self.device))
+        if self.device.type == "cuda":
+            model.enable_fused_kernels()  # fused add+RMSNorm, RoPE, SiLU-mul; TALLYSERVE_FUSED_KERNELS=0 turns off
         num_blocks = determine_num_blocks(args, mc, self.device, self.dtype, model)
         host_blocks = num_host_blocks(args, mc, self.dtype) if args.enable_prefix_caching else 0
         self.config = args.resolve(mc, num_blocks, host_blocks)

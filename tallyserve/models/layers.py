@@ -116,6 +116,21 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_weight: Optional[torch.Tensor] = None  # set by fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One gate/up projection; the two Linear weights become views of it (no extra memory)."""
+        if self.gate_proj.bias is not None:
+            return  # rare; the separate projections stay
+        n = self.gate_proj.weight.shape[0]
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_proj.weight.data = self.gate_up_weight[:n]
+        self.up_proj.weight.data = self.gate_up_weight[n:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            from tallyserve.models.fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tallyserve.attention.backend import AttentionBackend, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.models import fused_ops
 from tallyserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from tallyserve.models.model_config import ModelConfig
 
@@ -58,11 +60,30 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): [q; k; v] in one matrix
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One q/k/v projection; the three Linear weights become views of it (no extra memory)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projs])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([p.bias for p in projs])
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight.data = self.qkv_weight[start:start + rows]
+            if self.qkv_bias is not None:
+                p.bias.data = self.qkv_bias[start:start + rows]
+            start += rows
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        if self.qkv_weight is not None:
+            return self._forward_fused(x, rope, kv_cache, meta)
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -72,6 +93,23 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _forward_fused(self, x, rope, kv_cache, meta) -> torch.Tensor:
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        cos, sin = rope
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, : hq * d].reshape(t, hq, d))
+            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d))
+            fused_ops.rotary_(q, cos, sin)
+            fused_ops.rotary_(k, cos, sin)
+        else:  # q and k sit side by side in qkv: one in-place rotation for both
+            fused_ops.rotary_(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, hq * d))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,6 +135,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.fused = False
 
     def forward(
         self,
@@ -107,9 +146,25 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         rope = self.rotary_emb(positions)
         x = self.embed_tokens(input_ids)
+        if self.fused:
+            return self._forward_fused(x, rope, kv_caches, attn_meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, attn_meta)
         return self.norm(x)
+
+    def _forward_fused(self, x, rope, kv_caches, attn_meta) -> torch.Tensor:
+        """The same computation with the residual stream threaded through fused add + RMSNorm."""
+        residual = x
+        h = fused_ops.add_rms_norm(x, None, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i:
+                norm = layer.input_layernorm
+                h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+            h = layer.self_attn(h, rope, kv_cache, attn_meta)
+            norm = layer.post_attention_layernorm
+            h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+            h = layer.mlp(h)
+        return fused_ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,6 +208,17 @@ class LlamaForCausalLM(nn.Module):
                 f"expected {self.config.num_hidden_layers} kv caches (one per layer), got {len(kv_caches)}"
             )
         return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def enable_fused_kernels(self) -> bool:
+        """Switch to the fused GPU path (fused_ops); False where it is not available."""
+        device = self.model.embed_tokens.weight.device
+        if not fused_ops.available(device):
+            return False
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.model.fused = True
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size)."""

@@ -1,0 +1,105 @@
+"""The fused GPU kernels (models/fused_ops.py) on the CPU under Triton's interpreter: each kernel
+against its torch reference, and a whole tiny model through the fused path against the plain one
+(prefill, chunked prefill and decode over a paged cache). Runs in one subprocess, since Triton reads
+TRITON_INTERPRET when a kernel is decorated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip("Triton < 3.7's interpreter cannot run these loops under NumPy 2", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKER = r'''
+import json, sys, tempfile
+import torch
+from tallyserve.models import fused_ops
+from tallyserve.models.layers import RMSNorm, apply_rotary
+from tallyserve.models.loader import load_model, resolve_model
+from tests.tiny_models import PagedKV, make_tiny_model
+
+res = {}
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    tag = str(dtype).split(".")[-1]
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    r = torch.randn(5, 96, generator=g).to(dtype)
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    want_res = x + r
+    want = norm(want_res)
+    r2 = r.clone()
+    got = fused_ops.add_rms_norm(x, r2, norm.weight, 1e-5)
+    res[f"add_rms_{tag}"] = [(got.float() - want.float()).abs().max().item(), (r2.float() - want_res.float()).abs().max().item()]
+    got_plain = fused_ops.add_rms_norm(x, None, norm.weight, 1e-5)
+    res[f"rms_{tag}"] = [(got_plain.float() - norm(x).float()).abs().max().item(), 0.0]
+    qk = torch.randn(4, 6, 32, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 17, 40]).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    emb = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = emb.cos(), emb.sin()
+    want = apply_rotary(qk, cos, sin)
+    strided = torch.zeros(4, 8, 32, dtype=dtype)  # a view inside a wider row, like q and k inside qkv
+    strided[:, 1:7] = qk
+    fused_ops.rotary_(strided[:, 1:7], cos, sin)
+    res[f"rotary_{tag}"] = [(strided[:, 1:7].float() - want.float()).abs().max().item(),
+                            strided[:, [0, 7]].abs().max().item()]
+    gu = torch.randn(3, 2 * 70, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :70]) * gu[:, 70:]
+    res[f"silu_mul_{tag}"] = [(fused_ops.silu_mul(gu).float() - want.float()).abs().max().item(), 0.0]
+
+for arch in ("llama", "qwen3", "qwen2"):
+    d = make_tiny_model(tempfile.mkdtemp(), arch)
+    resolved = resolve_model(d, "auto")
+    def run(model):
+        kv = PagedKV(model, num_blocks=32, block_size=4, seed=1)
+        a = kv.step([("a", list(range(3, 14))), ("b", [5, 6, 7])])
+        b = kv.step([("a", [20]), ("b", [8, 9, 10, 11])])
+        return torch.cat([a["a"], a["b"], b["a"], b["b"]])
+    model = load_model(resolved, "auto", torch.float32, torch.device("cpu"), 0, None)
+    plain = run(model)
+    assert model.enable_fused_kernels()
+    fused = run(model)
+    res[f"model_{arch}"] = [(plain - fused).abs().max().item(), 0.0]
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", WORKER], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+TOL = {"float32": 1e-5, "bfloat16": 1.6e-2}
+
+
+@pytest.mark.parametrize("kernel", ["add_rms", "rms", "rotary", "silu_mul"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_matches_torch_reference(results, kernel, dtype):
+    err, side = results[f"{kernel}_{dtype}"]
+    scale = 4.0 if kernel in ("add_rms", "rms") else 1.0  # normalised values reach a few units
+    assert err <= TOL[dtype] * scale, (kernel, dtype, err)
+    if kernel == "add_rms":
+        assert side <= TOL[dtype] * scale  # the residual stream was updated in place to x + residual
+    if kernel == "rotary":
+        assert side == 0.0  # neighbours of the strided view were not touched
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_fused_model_path_matches_plain_path(results, arch):
+    assert results[f"model_{arch}"][0] < 1e-4
