@@ -26,6 +26,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine.final_outputs_only = True  # generate() returns finished outputs only
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -74,6 +74,8 @@ class LLMEngine:
         self._seqs: dict[str, SequenceState] = {}
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
         self.timings = {k: 0.0 for k in TIMING_KEYS}
+        # Offline callers that only want finished outputs skip building the rest every step.
+        self.final_outputs_only = False
         # Test hook: called with each SchedulerOutput before the forward pass (may raise).
         self.fault_injector: Optional[Callable[[SchedulerOutput], None]] = None
 
@@ -291,6 +293,9 @@ class LLMEngine:
             touched[parent.request_id] = parent
 
     def _collect_finished(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        """Outputs of the requests that progressed; only the finished ones when nobody streams."""
+        if self.final_outputs_only:
+            return [self._pop_if_finished(p) for p in touched.values() if p.finished]
         return [self._pop_if_finished(parent) for parent in touched.values()]
 
     def _pop_if_finished(self, parent: ParentState) -> RequestOutput:
