@@ -32,6 +32,12 @@ _ENGINE_COUNTERS = {
     "preemptions": ("tallyserve_preemptions", "Requests preempted to free KV blocks."),
     "ledger_violations": ("tallyserve_ledger_violations", "Steps whose built batch disagreed with the scheduler's charge."),
     "step_errors": ("tallyserve_step_errors", "Engine steps that failed with an exception."),
+    "host_hit_tokens": ("tallyserve_host_hit_tokens", "Prompt tokens restored from the host KV tier."),
+    "host_blocks_offloaded": ("tallyserve_host_blocks_offloaded", "Evicted prefix blocks copied to the host tier."),
+    "host_blocks_restored": ("tallyserve_host_blocks_restored", "Host-tier blocks copied back to the device."),
+    "kv_bytes_moved": ("tallyserve_kv_transfer_bytes", "Bytes moved between the device and host KV pools."),
+    "spec_proposed": ("tallyserve_spec_decode_draft_tokens", "Draft tokens proposed for verification."),
+    "spec_accepted": ("tallyserve_spec_decode_accepted_tokens", "Draft tokens accepted by verification."),
 }
 
 
@@ -51,6 +57,7 @@ class EngineStatsCollector(Collector):
             ("tallyserve_kv_blocks_free", "KV cache blocks free (unreferenced, cached ones included).", free),
             ("tallyserve_kv_blocks_in_use", "KV cache blocks referenced by requests.", total - free),
             ("tallyserve_kv_blocks_cached", "KV cache blocks holding reusable prefix content.", s.get("num_cached_blocks", 0)),
+            ("tallyserve_host_kv_blocks_total", "Blocks of the host KV tier (0: no tier).", s.get("num_host_blocks", 0)),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))

@@ -1,0 +1,36 @@
+"""The engine-level Prometheus metrics come from the stats snapshot, host tier and speculative
+decoding included: a real offline engine with both features feeds the collector."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tallyserve import LLM, SamplingParams
+from tallyserve.server.metrics import EngineStatsCollector
+from tests.tiny_models import make_tiny_model
+
+
+def test_host_tier_and_spec_decode_counters(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    llm = LLM(model=path, block_size=4, num_gpu_blocks_override=12, max_model_len=48, kv_offload_bytes=1 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefix = [5, 6, 7, 8] * 5
+    for prompt in (prefix + [1], [40 + i for i in range(21)], [70 + i for i in range(21)], prefix + [2]):
+        llm.generate({"prompt_token_ids": prompt}, params)
+    stats = llm.stats()
+    fake = SimpleNamespace(stats=lambda: stats, health=lambda: SimpleNamespace(alive=True, healthy=True))
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(fake))
+    values = {s.name: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
+              for s in fam.samples}
+    assert values["tallyserve_host_hit_tokens_total"] == stats["host_hit_tokens"] > 0
+    assert values["tallyserve_host_blocks_offloaded_total"] == stats["host_blocks_offloaded"] > 0
+    assert values["tallyserve_kv_transfer_bytes_total"] == stats["kv_bytes_moved"] > 0
+    assert values["tallyserve_spec_decode_draft_tokens_total"] == stats["spec_proposed"] > 0
+    assert values["tallyserve_spec_decode_accepted_tokens_total"] == stats["spec_accepted"]
+    assert values["tallyserve_host_kv_blocks_total"] == stats["num_host_blocks"] > 0
+    assert values["tallyserve_scheduled_tokens_total"] == values["tallyserve_forward_tokens_total"]
