@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.server.live_server import API_KEY, MODEL, LiveServer
@@ -28,3 +29,19 @@ def api_server(tiny_model_dir, server_logs):
     srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api_server):
+    """The official openai client against the shared server."""
+    c = openai.OpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model_dir):
+    """The offline engine on the served weights, the reference for greedy and beam outputs."""
+    from tallyserve import LLM
+
+    return LLM(model=tiny_model_dir, num_gpu_blocks_override=256, block_size=8)

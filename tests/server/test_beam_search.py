@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 
 from tallyserve import LLM
@@ -25,18 +24,6 @@ BEAM = {"use_beam_search": True}
 @pytest.fixture(scope="module")
 def server(api_server):
     return api_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(model=tiny_model_dir, num_gpu_blocks_override=256, block_size=8)
 
 
 def _offline_beams(offline: LLM, prompts, width: int, length_penalty: float = 1.0):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from tallyserve import LLM, SamplingParams
@@ -21,18 +20,6 @@ PROMPTS = ["The quick brown fox", "Hello, world!", "Once upon a time", "the cat 
 @pytest.fixture(scope="module")
 def server(api_server):
     return api_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, timeout=30.0, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(model=tiny_model_dir, num_gpu_blocks_override=256, block_size=8)
 
 
 def _greedy(offline: LLM, prompt, max_tokens: int = 16):
