@@ -15,7 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):
         flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
-        if kind == "bool":
+        if kind in ("bool", "Optional[bool]"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=f.name)
         else:
             conv = float if "float" in kind else int if "int" in kind else str

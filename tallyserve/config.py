@@ -73,6 +73,9 @@ class EngineArgs:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft, ...}
     speculative_config: Optional[Any] = None
     enforce_eager: bool = False
+    # Schedule and launch step N+1 while step N runs (its sampled tokens feed N+1 on the device).
+    # None: on for CUDA without speculative decoding, off on the CPU (where nothing overlaps).
+    async_scheduling: Optional[bool] = None
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
@@ -102,6 +105,11 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling does not support speculative decoding; "
+                             "set async_scheduling=False or drop speculative_config")
 
     def resolve(self, model_config: ModelConfig, num_blocks: int, num_host_blocks: int = 0) -> EngineConfig:
         """Derive max_model_len and the token budget once; the result is frozen."""

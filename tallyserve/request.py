@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 _arrival_counter = itertools.count()
 
+# Stands in all_token_ids for a token an in-flight step is still sampling (async scheduling).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -79,6 +82,8 @@ class Request:
         self.num_preemptions = 0
         # Draft tokens proposed for the next step (speculative decoding); verified, never trusted.
         self.spec_token_ids: list[int] = []
+        # Trailing PLACEHOLDER_TOKEN_IDs: tokens of in-flight steps, not sampled yet (async scheduling).
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
@@ -90,11 +95,18 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens so far, in-flight placeholders included (they count toward max_tokens)."""
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens known on the host: all of them but the trailing placeholders."""
+        return len(self.all_token_ids) - self.num_output_placeholders
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """The sampled output tokens (placeholders of in-flight steps excluded)."""
+        return self.all_token_ids[len(self.prompt_token_ids):self.num_resolved_tokens]
 
     @property
     def sort_key(self) -> tuple[int, int]:

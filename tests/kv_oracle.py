@@ -1,8 +1,9 @@
 """A model-free runner for scheduler tests: the KV cache holds token ids instead of tensors.
 
 It executes a SchedulerOutput the way the real runner does (partial-reuse copies, then writes at
-the slot mapping built by the real ForwardBatch builder) and, for every row, checks that the
-request's whole context is present in its blocks. The next token is a pure function of the
+the slot mapping built by the real ForwardBatch builder, placeholder rows of an async-scheduled
+step filled from the previous step's tokens) and, for every row, checks that the request's whole
+context is present in its blocks. The next token is a pure function of the
 context, so any cache mix-up changes the output and the reference comparison catches it.
 """
 
@@ -54,6 +55,8 @@ class OracleRunner:
         self.cache = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.host = np.full(max(num_host_blocks, 1) * block_size, -1, dtype=np.int64)
         self.steps = 0
+        self.last_tokens = np.zeros(0, dtype=np.int64)  # the previous step's sampled tokens
+        self.last_index: dict[str, int] = {}  # request id -> its row of last_tokens
 
     def execute(self, so: SchedulerOutput, contexts: dict[str, list[int]]) -> tuple[ForwardBatch, dict[str, list[int]]]:
         """Run one step. `contexts` maps request id -> all its tokens (for checking only)."""
@@ -64,17 +67,24 @@ class OracleRunner:
             self.cache[c.dst * bs: (c.dst + 1) * bs] = self.host[c.src * bs: (c.src + 1) * bs]
         for c in moves.copies:
             self.cache[c.dst * bs: c.dst * bs + c.num_tokens] = self.cache[c.src * bs: c.src * bs + c.num_tokens]
-        batch = ForwardBatch.build(so, bs, torch.device("cpu"))
-        self.cache[batch.attn_meta.slot_mapping.numpy()] = batch.input_ids.numpy()
+        batch = ForwardBatch.build(so, bs, torch.device("cpu"), self.last_index)
+        ids = batch.input_ids.numpy().copy()
+        if batch.fill_rows is not None:
+            ids[batch.fill_rows.numpy()] = self.last_tokens[batch.fill_src.numpy()]
+        self.cache[batch.attn_meta.slot_mapping.numpy()] = ids
         sampled = {}
         for entry in so.requests:
             end = entry.start_position + entry.num_tokens - entry.num_draft_tokens
             slots = [entry.block_ids[p // bs] * bs + p % bs for p in range(end)]
             seen = self.cache[slots].tolist()
-            expected = contexts[entry.request_id][:end]
+            expected = list(contexts[entry.request_id][:end])
+            if expected and expected[-1] < 0:  # the placeholder of the previous step's token
+                expected[-1] = int(self.last_tokens[self.last_index[entry.request_id]])
             if seen != expected:
                 raise AssertionError(f"{entry.request_id}: KV holds {seen}, context is {expected}")
             if entry.sample:
                 sampled[entry.request_id] = verify_greedy(seen, entry.draft_token_ids)
         self.steps += 1
+        self.last_index = {rid: i for i, rid in enumerate(sampled)}
+        self.last_tokens = np.array([toks[-1] for toks in sampled.values()], dtype=np.int64)
         return batch, sampled

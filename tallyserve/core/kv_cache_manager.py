@@ -117,7 +117,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------- prefix
     def _update_block_hashes(self, request: Request) -> None:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        for i in range(len(hashes), request.num_tokens // bs):
+        for i in range(len(hashes), request.num_resolved_tokens // bs):  # never over a placeholder
             parent = hashes[i - 1] if i else ROOT_HASH
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
 

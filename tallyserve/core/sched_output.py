@@ -49,6 +49,9 @@ class SchedulerOutput:
     kv_transfers: KVTransfers = KVTransfers()  # offloads, restores, partial copies: before the forward
     preempted_request_ids: tuple[str, ...] = ()
     max_num_batched_tokens: int = 0
+    # Scheduled before the previous step's results were in: requests were advanced at schedule
+    # time and input tokens equal to PLACEHOLDER_TOKEN_ID come from that step's sampled tokens.
+    async_scheduled: bool = False
 
     @property
     def is_empty(self) -> bool:

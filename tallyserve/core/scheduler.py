@@ -16,7 +16,7 @@ from tallyserve.config import CacheConfig, SchedulerConfig
 from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from tallyserve.request import Request, RequestStatus
+from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
@@ -36,6 +36,7 @@ class SchedulerStats:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_verify_steps: int = 0
+    async_steps: int = 0  # steps scheduled while the previous one was still running
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -81,19 +82,29 @@ class Scheduler:
         return len(self.waiting)
 
     # ----------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, async_scheduling: bool = False) -> SchedulerOutput:
+        """The next step. With ``async_scheduling`` it may run before the previous step's results
+        are in: each scheduled request is advanced at once (its KV counted as computed, and a
+        placeholder appended for the token it samples), and a request whose in-flight token will
+        end it by length is not scheduled again. ``update`` later fills the placeholder in.
+        Stale state only ever makes this conservative: blocks of requests about to finish are
+        still held, so nothing is admitted that the pool cannot hold. Not for drafts or forks.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        return self._build_output(scheduled, preempted)
+        return self._build_output(scheduled, preempted, async_scheduling)
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int], preempted: list[Request]) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
+            if req.num_output_placeholders and self._ends_by_length(req, req.num_tokens):
+                idx += 1  # its in-flight token is its last one
+                continue
             needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))
             n = ledger.charge(needed, budget, chunked=True)  # drafts are trimmed to fit, never overshoot
             if n == 0:
@@ -158,7 +169,8 @@ class Scheduler:
         self.stats.preemptions += 1
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def _build_output(self, scheduled: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+    def _build_output(self, scheduled: dict[str, int], preempted: list[Request],
+                      async_scheduling: bool = False) -> SchedulerOutput:
         entries = []
         for rid, n in scheduled.items():
             req = self.requests[rid]
@@ -178,11 +190,19 @@ class Scheduler:
                 )
             )
             req.spec_token_ids = []
+            if async_scheduling:
+                if drafts:
+                    raise ValueError("async scheduling does not verify draft tokens")
+                req.num_computed_tokens = start + num_real
+                if entries[-1].sample:
+                    req.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+                    req.num_output_placeholders += 1
         total = sum(scheduled.values())
         self._step_id += 1
         if entries:
             self.stats.steps += 1
             self.stats.scheduled_tokens += total
+            self.stats.async_steps += async_scheduling
         return SchedulerOutput(
             step_id=self._step_id,
             requests=tuple(entries),
@@ -190,6 +210,7 @@ class Scheduler:
             kv_transfers=self.kv.take_transfers(),
             preempted_request_ids=tuple(r.request_id for r in preempted),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            async_scheduled=async_scheduling,
         )
 
     # ----------------------------------------------------------------- results
@@ -199,6 +220,8 @@ class Scheduler:
         With drafts, `sampled[rid]` holds the accepted drafts plus one token; the KV of rejected
         drafts is not counted as computed (their slots are simply overwritten later).
         """
+        if output.async_scheduled:
+            return self._update_async(output, sampled)
         finished = []
         for entry in output.requests:
             req = self.requests.get(entry.request_id)
@@ -214,7 +237,7 @@ class Scheduler:
             status = None
             for token in tokens:
                 req.all_token_ids.append(token)
-                status = self._check_stop(req)
+                status = self._check_stop(req, req.num_tokens)
                 if status is not None:
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1 if tokens else req.num_tokens)
@@ -222,6 +245,36 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
+        self.kv.release_step()
+        if not self.requests:
+            self._check_when_idle()
+        return finished
+
+    def _update_async(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Results of an async-scheduled step: its requests were advanced when it was scheduled,
+        so only the placeholder of each sampled token is filled in (also for a request preempted
+        since, which will recompute) and the blocks it completed are cached. A request that stops
+        here may already sit in the next in-flight step; that step's row for it is dropped."""
+        finished = []
+        for entry in output.requests:
+            req = self.requests.get(entry.request_id)
+            if req is None:
+                continue  # finished or aborted while the step ran
+            end = entry.start_position + entry.num_tokens  # KV this step computed; its token goes here
+            if entry.sample:
+                if req.all_token_ids[end] != PLACEHOLDER_TOKEN_ID:
+                    raise AssertionError(f"{req.request_id}: no placeholder at position {end}")
+                req.all_token_ids[end] = sampled[entry.request_id][0]
+                req.num_output_placeholders -= 1
+                status = self._check_stop(req, end + 1)
+                if status is not None:
+                    del req.all_token_ids[end + 1:]
+                    req.num_output_placeholders = 0
+                    self._finish(req, status)
+                    finished.append(req)
+                    continue
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_blocks(req, end)
         self.kv.release_step()
         if not self.requests:
             self._check_when_idle()
@@ -292,15 +345,19 @@ class Scheduler:
         num_tokens = min(num_tokens, self.config.max_model_len - req.num_computed_tokens)
         return self.kv.allocate_slots(req, num_tokens)
 
-    def _check_stop(self, req: Request) -> Optional[RequestStatus]:
-        sp, last = req.sampling_params, req.all_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
+    def _ends_by_length(self, req: Request, length: int) -> bool:
+        return length - req.num_prompt_tokens >= req.max_tokens or length >= self.config.max_model_len
+
+    def _check_stop(self, req: Request, length: int) -> Optional[RequestStatus]:
+        """Does the token at ``length - 1`` (just sampled) end the request?"""
+        sp, last = req.sampling_params, req.all_token_ids[length - 1]
+        if length - req.num_prompt_tokens >= sp.min_tokens:
             if not sp.ignore_eos and last in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in sp.stop_token_ids:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if self._ends_by_length(req, length):
             return RequestStatus.FINISHED_LENGTH
         return None
 

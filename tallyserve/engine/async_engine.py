@@ -24,7 +24,6 @@ from typing import Any, AsyncIterator, Callable, Optional
 from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
-from tallyserve.request import RequestStatus
 from tallyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -28,14 +29,33 @@ from tallyserve.runner.model_runner import (
     resolve_dtype,
 )
 from tallyserve.runner.rejection_sampler import TokenSample, verify_drafts
-from tallyserve.runner.sampler import Sampler
+from tallyserve.runner.sampler import PendingSamplerOutput, Sampler
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict[str, Any]]
-TIMING_KEYS = ("schedule", "build", "forward", "sample", "update")
+TIMING_KEYS = ("schedule", "build", "forward", "sample", "wait", "update")
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens may still be on the device."""
+
+    so: SchedulerOutput
+    resolved: dict[str, list[TokenSample]]  # rows sampled on the host (drafts verified)
+    token_ids: Optional[torch.Tensor] = None  # device tensor of the plain rows' tokens
+    token_index: dict[str, int] = field(default_factory=dict)  # request id -> row of token_ids
+    pending: Optional[PendingSamplerOutput] = None
+
+    def result(self) -> dict[str, list[TokenSample]]:
+        out = dict(self.resolved)
+        if self.pending is not None:
+            host = self.pending.result()
+            for rid, i in self.token_index.items():
+                out[rid] = [TokenSample(host.token_ids[i], host.logprobs[i], host.top_logprobs[i])]
+        return out
 
 
 class LLMEngine:
@@ -78,6 +98,12 @@ class LLMEngine:
         self.final_outputs_only = False
         # Test hook: called with each SchedulerOutput before the forward pass (may raise).
         self.fault_injector: Optional[Callable[[SchedulerOutput], None]] = None
+        # Async scheduling: the next step is scheduled and launched before this one's tokens are
+        # read back (not with speculative decoding; beam groups run synchronously).
+        self.async_scheduling = args.async_scheduling
+        if self.async_scheduling is None:  # default: on where it overlaps something (CUDA)
+            self.async_scheduling = self.device.type == "cuda" and self.spec is None
+        self._inflight: Optional[InFlightStep] = None
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = list(self.model_config.eos_token_ids)
@@ -157,7 +183,7 @@ class LLMEngine:
             self._pending.append(self._pop_if_finished(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups)
+        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self._inflight is not None
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
         _, ids = self.process_prompt(prompt)
@@ -165,10 +191,20 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of requests that progressed. With async
+        scheduling the step returned is the previous one: this call schedules and launches the
+        next step first, so the host's work overlaps the device's."""
+        if self.async_scheduling and not self.beams.groups:
+            return self._step_async()
+        if self._inflight is not None:  # going synchronous (a beam group arrived): drain first
+            outputs, self._pending = self._pending, []
+            touched: dict[str, ParentState] = {}
+            self._complete(self._inflight, touched)
+            self._inflight = None
+            return outputs + self._collect_finished(touched)
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        self.timings["schedule"] += t1 - t0
+        self.timings["schedule"] += time.perf_counter() - t0
         outputs, self._pending = self._pending, []
         if so.is_empty:
             if so.kv_transfers:  # e.g. copy-on-write of forked beams queued since the last step
@@ -176,29 +212,70 @@ class LLMEngine:
                 self.scheduler.update(so, {})
             self.beams.after_step(progressed=False)
             return outputs
+        touched = {}
+        launched = self._launch(so, touched)
+        if launched is not None:
+            self._complete(launched, touched)
+        return outputs + self._collect_finished(touched)
+
+    def _step_async(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule(async_scheduling=True)
+        self.timings["schedule"] += time.perf_counter() - t0
+        outputs, self._pending = self._pending, []
         touched: dict[str, ParentState] = {}
+        launched = None
+        if not so.is_empty:
+            launched = self._launch(so, touched)
+        elif so.kv_transfers:
+            self.runner.apply_transfers(so.kv_transfers)
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            self._complete(prev, touched)
+        elif so.is_empty and so.kv_transfers:
+            self.scheduler.update(so, {})
+        return outputs + self._collect_finished(touched)
+
+    def _launch(self, so: SchedulerOutput, touched: dict[str, ParentState]) -> Optional[InFlightStep]:
+        """Transfers, batch, forward and sampling of one step, queued on the device; the host
+        results come from ``_complete``. A failure fails this step's requests and returns None."""
+        t1 = time.perf_counter()
         try:
             self.runner.apply_transfers(so.kv_transfers)
         except Exception as exc:  # noqa: BLE001 - the promised host copies never happened
             self._fail_step(so, exc, touched, transfers_ran=False)
-            return outputs + self._collect_finished(touched)
+            return None
+        prev = self._inflight
         try:
-            batch = ForwardBatch.build(so, self.runner.block_size, self.device)
+            batch = ForwardBatch.build(so, self.runner.block_size, self.device,
+                                       prev.token_index if prev is not None else None)
             self.scheduler.stats.forward_tokens += batch.num_tokens
             ledger.check_step(so.total_tokens, batch.num_tokens, so.max_num_batched_tokens)
             t2 = time.perf_counter()
             self.timings["build"] += t2 - t1
             if self.fault_injector is not None:
                 self.fault_injector(so)
-            logits = self.runner.execute(batch)
+            logits = self.runner.execute(batch, prev.token_ids if prev is not None else None)
             t3 = time.perf_counter()
             self.timings["forward"] += t3 - t2
-            sampled = self._sample(so, batch, logits)
+            step = self._sample(so, logits)
             self.timings["sample"] += time.perf_counter() - t3
+            return step
         except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
             self._fail_step(so, exc, touched)
-            return outputs + self._collect_finished(touched)
+            return None
+
+    def _complete(self, step: InFlightStep, touched: dict[str, ParentState]) -> None:
+        """Wait for a launched step's sampled tokens, then update, emit and finish."""
         t4 = time.perf_counter()
+        try:
+            sampled = step.result()
+        except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the copy
+            self._fail_step(step.so, exc, touched)
+            return
+        t5 = time.perf_counter()
+        self.timings["wait"] += t5 - t4
+        so = step.so
         finished = self.scheduler.update(so, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
         for rid, toks in sampled.items():
             seq = self._seqs.get(rid)
@@ -213,12 +290,13 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_step(so, finished)
         self.beams.after_step()
-        self.timings["update"] += time.perf_counter() - t4
-        return outputs + self._collect_finished(touched)
+        self.timings["update"] += time.perf_counter() - t5
 
-    def _sample(self, so: SchedulerOutput, batch: ForwardBatch, logits: torch.Tensor) -> dict[str, list[TokenSample]]:
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> InFlightStep:
+        """Queue the sampling of a step's logits. Plain rows stay on the device (their tokens feed
+        the next async step); beam rows and draft verification are resolved here, on the host."""
         entries = [e for e in so.requests if e.sample]
-        row, plain, plain_rows, result = 0, [], [], {}
+        row, plain, plain_rows, resolved = 0, [], [], {}
         for e in entries:
             n = e.num_sample_rows
             if self.beams.owns(e.request_id):  # beam search picks tokens per group, after the step
@@ -232,29 +310,32 @@ class LLMEngine:
             if e.num_draft_tokens:
                 gen = self._seqs[e.request_id].generator or self.sampler._shared_generator(logits.device)
                 q = self.spec.draft_probs(e.request_id, e.num_draft_tokens)
-                result[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params, gen, q)
+                resolved[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params, gen, q)
             else:
                 plain.append(e)
                 plain_rows.append(row)
             row += n
+        step = InFlightStep(so, resolved)
         if plain:
             sub = logits if len(plain_rows) == logits.shape[0] else logits[torch.tensor(plain_rows, device=logits.device)]
             gens = [self._seqs[e.request_id].generator for e in plain]
-            out = self.sampler.sample(sub, [e.sampling_params for e in plain], gens)
-            for i, e in enumerate(plain):
-                result[e.request_id] = [TokenSample(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])]
-        return result
+            tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens)
+            step.token_ids = tensors.token_ids
+            step.token_index = {e.request_id: i for i, e in enumerate(plain)}
+            step.pending = tensors.to_host()
+        return step
 
     def _emit_tokens(self, seq: SequenceState, samples: list[TokenSample]) -> None:
         """Logprobs and stop-safe text for the tokens the scheduler appended this step."""
         req = seq.request
-        new = req.output_token_ids[seq.num_emitted:]
+        new = req.output_token_ids[seq.num_emitted:]  # sampled tokens only, no placeholders
         for i, token in enumerate(new):
             record_logprobs(seq, samples[i], self.tokenizer)
             seq.num_emitted += 1
             seq.text += seq.detokenizer.update([token])  # stop-safe text only
             if seq.detokenizer.finished:
                 del req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:]
+                req.num_output_placeholders = 0
                 if not req.is_finished():
                     req.stop_reason = seq.detokenizer.stop_reason
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -42,9 +43,16 @@ class ForwardBatch:
     sample_request_ids: tuple[str, ...]  # requests that sample, in order
     sample_row_counts: tuple[int, ...]  # logits rows of each of them
     num_tokens: int
+    # Async scheduling: input_ids[fill_rows] are placeholders; the runner copies them on the device
+    # from the previous step's sampled tokens, fill_src indexing that step's token tensor.
+    fill_rows: Optional[torch.Tensor] = None
+    fill_src: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, output: SchedulerOutput, block_size: int, device: torch.device) -> "ForwardBatch":
+    def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
+              placeholder_src: Optional[Mapping[str, int]] = None) -> "ForwardBatch":
+        """``placeholder_src``: request id -> row of the in-flight step's sampled-token tensor,
+        needed when an async-scheduled step feeds on tokens that step has not returned yet."""
         reqs = output.requests
         num_reqs = len(reqs)
         query_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=num_reqs)
@@ -66,9 +74,17 @@ class ForwardBatch:
         sample_rows = [
             row for i, r in enumerate(reqs) if r.sample for row in range(int(cu[i + 1]) - r.num_sample_rows, int(cu[i + 1]))
         ]
+        fill_rows = np.flatnonzero(input_ids < 0)
+        fill_src = np.zeros(0, dtype=np.int64)
+        if fill_rows.size:
+            if placeholder_src is None:
+                raise ValueError("the batch holds placeholder tokens but no in-flight step supplies them")
+            fill_src = np.fromiter((placeholder_src[reqs[i].request_id] for i in req_of_row[fill_rows]),
+                                   dtype=np.int64, count=fill_rows.size)
         # one pinned host->device copy per dtype on CUDA (see _upload)
-        ids_t, positions_t, slots_t, sample_t = _upload(
-            [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64)], torch.int64, device)
+        ids_t, positions_t, slots_t, sample_t, fill_rows_t, fill_src_t = _upload(
+            [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64), fill_rows, fill_src],
+            torch.int64, device)
         cu_t, seq_lens_t, table_t = _upload([cu, seq_lens, table], torch.int32, device)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
@@ -89,4 +105,6 @@ class ForwardBatch:
             sample_request_ids=tuple(r.request_id for r in reqs if r.sample),
             sample_row_counts=tuple(r.num_sample_rows for r in reqs if r.sample),
             num_tokens=num_tokens,
+            fill_rows=fill_rows_t if fill_rows.size else None,
+            fill_src=fill_src_t if fill_rows.size else None,
         )

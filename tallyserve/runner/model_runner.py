@@ -180,8 +180,14 @@ class ModelRunner:
         self.copy_blocks(moves.copies)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the forward pass; return float32 logits of the sampled rows (S, vocab)."""
+    def execute(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the forward pass; return float32 logits of the sampled rows (S, vocab).
+        ``prev_token_ids``: the in-flight step's sampled tokens, for the batch's placeholder rows
+        (copied device to device, so this step is queued without waiting for that one)."""
+        if batch.fill_rows is not None:
+            if prev_token_ids is None:
+                raise ValueError("the batch has placeholder rows but no previous step's tokens")
+            batch.input_ids[batch.fill_rows] = prev_token_ids[batch.fill_src]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.run(batch)
         else:

@@ -24,6 +24,51 @@ _MIN_EXPONENTIAL = 1e-30
 
 
 @dataclass
+class SampledTensors:
+    """One sampling call's results, still on the logits' device (async scheduling feeds
+    ``token_ids`` to the next step there, before the host has seen them)."""
+
+    token_ids: torch.Tensor  # (M,) int64
+    logprobs: torch.Tensor  # (M,) float32, raw logprob of each sampled token
+    top_rows: list[int]  # rows that asked for top logprobs, with their k
+    top_ks: list[int]
+    top_ids: Optional[torch.Tensor] = None  # (len(top_rows), max k) int64
+    top_values: Optional[torch.Tensor] = None  # (len(top_rows), max k) float32
+
+    def to_host(self) -> "PendingSamplerOutput":
+        """Start the device-to-host copy (pinned, non-blocking on CUDA); ``result()`` waits."""
+        return PendingSamplerOutput(self)
+
+
+class PendingSamplerOutput:
+    def __init__(self, sampled: SampledTensors) -> None:
+        tensors = [sampled.token_ids, sampled.logprobs]
+        if sampled.top_ids is not None:
+            tensors += [sampled.top_ids, sampled.top_values]
+        self._event = None
+        if sampled.token_ids.device.type == "cuda":
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensors = host
+        self._host = tensors
+        self._top_rows, self._top_ks = sampled.top_rows, sampled.top_ks
+
+    def result(self) -> "SamplerOutput":
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, logprobs = self._host[0].tolist(), self._host[1].tolist()
+        top: list[Optional[list[tuple[int, float]]]] = [None] * len(token_ids)
+        if self._top_rows:
+            ids, values = self._host[2].tolist(), self._host[3].tolist()
+            for j, (i, k) in enumerate(zip(self._top_rows, self._top_ks)):
+                top[i] = list(zip(ids[j][:k], values[j][:k]))
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     # Log-probability of each sampled token under the raw model distribution (log_softmax of
@@ -110,6 +155,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[Optional[torch.Generator]],
     ) -> SamplerOutput:
+        return self.sample_tensors(logits, params, generators).to_host().result()
+
+    def sample_tensors(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[Optional[torch.Generator]],
+    ) -> SampledTensors:
+        """``sample`` without waiting for the device: every result stays a tensor."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {tuple(logits.shape)}")
         num_rows = logits.shape[0]
@@ -126,10 +180,14 @@ class Sampler:
             token_ids[torch.tensor(random_rows, device=logits.device)] = sampled
         logsumexp = logits.logsumexp(dim=-1)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
-        top = _top_logprobs(logits, logsumexp, params)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(), logprobs=sampled_logprobs.tolist(), top_logprobs=top
-        )
+        out = SampledTensors(token_ids, sampled_logprobs, [i for i, p in enumerate(params) if p.logprobs], [])
+        if out.top_rows:
+            out.top_ks = [params[i].logprobs for i in out.top_rows]
+            k_max = min(max(out.top_ks), logits.shape[1])
+            index = torch.tensor(out.top_rows, device=logits.device)
+            values, out.top_ids = logits[index].topk(k_max, dim=-1)
+            out.top_values = values - logsumexp[index].unsqueeze(1)
+        return out
 
     def _sample_random(
         self,
@@ -166,24 +224,6 @@ class Sampler:
             u[torch.tensor(shared, device=device)] = draw
         q = u.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
         return (probs / q).argmax(dim=-1)
-
-
-def _top_logprobs(
-    logits: torch.Tensor, logsumexp: torch.Tensor, params: Sequence[SamplingParams]
-) -> list[Optional[list[tuple[int, float]]]]:
-    result: list[Optional[list[tuple[int, float]]]] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs]
-    if not rows:
-        return result
-    k_max = min(max(params[i].logprobs for i in rows), logits.shape[1])
-    index = torch.tensor(rows, device=logits.device)
-    values, ids = logits[index].topk(k_max, dim=-1)
-    values = (values - logsumexp[index].unsqueeze(1)).tolist()
-    ids = ids.tolist()
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        result[i] = list(zip(ids[j][:k], values[j][:k]))
-    return result
 
 
 def _device_key(device: torch.device) -> tuple[str, Optional[int]]:

@@ -1,6 +1,6 @@
 """The offline API's behaviour users rely on: argument errors before any weight loads, ledger
 violations and step errors that fail only their own step, stop strings, seeds, logprobs,
-priorities, aborts, and the `tallyserve generate` command."""
+priorities, aborts, and the `tallyserve generate` command; each with async scheduling too."""
 
 from __future__ import annotations
 
@@ -23,9 +23,14 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def async_sched(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model=model_dir, block_size=4)
+def llm(model_dir, async_sched):
+    return LLM(model=model_dir, block_size=4, async_scheduling=async_sched)
 
 
 def _free(llm):
@@ -44,6 +49,9 @@ def _free(llm):
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
     (dict(max_model_len=10**6), "max_model_len"),
     (dict(speculative_config={"method": "ngram"}), "num_speculative_tokens"),
+    (dict(async_scheduling="on"), "async_scheduling"),
+    (dict(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "async_scheduling does not support speculative decoding"),
     (dict(not_an_arg=1), "unknown engine argument"),
 ])
 def test_bad_engine_args_fail_before_weights_load(model_dir, monkeypatch, kwargs, message):
@@ -60,13 +68,13 @@ def test_chunked_off_needs_budget_for_whole_prompts(model_dir):
         LLM(model=model_dir, enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64)
 
 
-def test_ledger_mismatch_fails_only_that_step(model_dir, monkeypatch):
-    llm = LLM(model=model_dir, block_size=4)
+def test_ledger_mismatch_fails_only_that_step(model_dir, monkeypatch, async_sched):
+    llm = LLM(model=model_dir, async_scheduling=async_sched, block_size=4)
     real_build = ForwardBatch.build
     calls = {"n": 0}
 
-    def bad_build(so, block_size, device):
-        batch = real_build(so, block_size, device)
+    def bad_build(so, block_size, device, placeholder_src=None):
+        batch = real_build(so, block_size, device, placeholder_src)
         calls["n"] += 1
         if calls["n"] == 2:  # the forward pass would compute one token more than was charged
             object.__setattr__(batch, "num_tokens", batch.num_tokens + 1)
@@ -123,8 +131,8 @@ def test_seeds_n_and_logprobs(llm):
     assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
 
 
-def test_priority_orders_admission(model_dir):
-    llm = LLM(model=model_dir, max_num_seqs=1, block_size=4)
+def test_priority_orders_admission(model_dir, async_sched):
+    llm = LLM(model=model_dir, max_num_seqs=1, block_size=4, async_scheduling=async_sched)
     order = []
     llm.engine.fault_injector = lambda so: order.extend(e.request_id for e in so.requests if e.start_position == 0)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

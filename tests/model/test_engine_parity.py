@@ -1,6 +1,7 @@
 """Greedy token-for-token parity of the whole engine with Hugging Face `generate`, on tiny random
 Llama, Mistral, Qwen2 and Qwen3 models, under chunking, prefix reuse (full and partial blocks),
-preemption and mixed n / max_tokens. Stats prove each mechanism really ran."""
+preemption and mixed n / max_tokens, with and without async scheduling. Stats prove each
+mechanism really ran."""
 
 from __future__ import annotations
 
@@ -72,12 +73,17 @@ def test_defaults(tiny):
     _assert_ledger(llm)
 
 
-def test_chunked_prefill_budget_16(tiny):
+ASYNC = pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_chunked_prefill_budget_16(tiny, async_sched):
     path, prompts, refs = tiny
-    llm = LLM(model=path, max_num_batched_tokens=16, block_size=4)
+    llm = LLM(model=path, max_num_batched_tokens=16, block_size=4, async_scheduling=async_sched)
     _assert_parity(_run(llm, prompts), refs)
     s = _assert_ledger(llm)
     assert s["steps"] >= sum(len(p) for p in prompts) // 16
+    assert s["async_steps"] == (s["steps"] if async_sched else 0)
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -93,26 +99,29 @@ def test_prefix_caching_on_and_off(tiny, caching):
         assert s["prefix_hit_tokens"] == 0 and s["partial_hit_tokens"] == 0
 
 
-def test_partial_block_reuse(tiny):
+@ASYNC
+def test_partial_block_reuse(tiny, async_sched):
     path, prompts, refs = tiny
-    llm = LLM(model=path, block_size=8, enable_partial_reuse=True)
+    llm = LLM(model=path, block_size=8, enable_partial_reuse=True, async_scheduling=async_sched)
     _assert_parity(_run(llm, prompts[:5]), refs[:5])
     _assert_parity(_run(llm, prompts), refs)
     s = _assert_ledger(llm)
     assert s["partial_hit_tokens"] > 0
 
 
-def test_preemption_with_tiny_pool(tiny):
+@ASYNC
+def test_preemption_with_tiny_pool(tiny, async_sched):
     path, prompts, refs = tiny
-    llm = LLM(model=path, block_size=4, num_gpu_blocks_override=16, max_model_len=64)
+    llm = LLM(model=path, block_size=4, num_gpu_blocks_override=16, max_model_len=64, async_scheduling=async_sched)
     _assert_parity(_run(llm, prompts), refs)
     s = _assert_ledger(llm)
     assert s["preemptions"] > 0
 
 
-def test_mixed_n_and_max_tokens(tiny):
+@ASYNC
+def test_mixed_n_and_max_tokens(tiny, async_sched):
     path, prompts, refs = tiny
-    llm = LLM(model=path, max_num_batched_tokens=32, block_size=4)
+    llm = LLM(model=path, max_num_batched_tokens=32, block_size=4, async_scheduling=async_sched)
     params = [SamplingParams(max_tokens=1 + i % MAX_TOKENS, temperature=0.0, n=1 + i % 3) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for out, ref, p in zip(outs, refs, params):
