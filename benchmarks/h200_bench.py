@@ -2,7 +2,7 @@
 """tallyserve on one H200, in one call (<= 9 minutes by default): run from the repo root as
 
     python3 benchmarks/h200_bench.py [--only micro,checks,mixed,shared,decode] [--with-hf]
-                                     [--enforce-eager] [--graph-ab] [--pytest]
+                                     [--enforce-eager] [--graph-ab] [--async-ab] [--pytest]
 
 Sections (in this order; each is skipped once --budget-s, default 540 s, is spent; --pytest and
 --with-hf run before the engine is built, since the engine takes most of the card for its KV pool):
@@ -15,6 +15,7 @@ Sections (in this order; each is skipped once --budget-s, default 540 s, is spen
   decode  one request (512-token prompt): median step time over 128 decode steps, the engine's
           per-step time split, and the GPU time of one graph replay at batch 1
           (--graph-ab: again with the CUDA-graph runner switched off, same engine)
+          (--async-ab: mixed, shared and decode again with async scheduling off, same engine)
   --with-hf: afterwards, Hugging Face `generate_batch` on the same mixed/shared prompts (~4 min)
   --pytest:  also `python -m pytest -q tests/gpu` in a subprocess (needs pytest; ~1 min)
 mixed/shared also report a step profile: steps with prefill rows vs decode-only steps (graph or
@@ -172,6 +173,8 @@ def run_decode(engine, vocab: int, steps: int, deadline: float) -> dict:
     res = {"prefill_step_ms": times[0] * 1e3 if times else None, "decode_steps": len(decode),
            "median_step_ms": statistics.median(decode) * 1e3 if decode else None,
            "p90_step_ms": float(np.percentile(decode, 90)) * 1e3 if decode else None,
+           # wall time per generated token once steady (async: each step() waits for the step before)
+           "mean_step_ms": float(np.mean(times[2:])) * 1e3 if len(times) > 2 else None,
            "timings_ms_per_step": {k: round((after[k] - before[k]) * 1e3 / max(1, len(times)), 3) for k in after}}
     graphs = getattr(engine.runner, "graph_runner", None)
     if graphs is not None and 1 in graphs.graphs:
@@ -229,22 +232,23 @@ def _table(results: dict) -> str:
         bad = [c["name"] for c in results["checks"] if not c.get("ok")]
         rows.append(("checks", "all ok" if not bad else f"FAILED: {bad}"))
     hf = results.get("hf", {})
-    for name in ("mixed", "shared"):
+    for name in ("mixed", "shared", "mixed_sync", "shared_sync"):
         r = results.get(name)
         if not r or "wall_s" not in r:
             continue
-        line = (f"{r['wall_s']:.1f} s, {r['total_tok_s']:.0f} tok/s ({r['output_tok_s']:.0f} out tok/s), "
-                f"x{HF_SECONDS[name] / r['wall_s']:.1f} vs HF {HF_SECONDS[name]} s")
-        if name == "mixed":
+        base = name.split("_")[0]
+        line = (f"{r['wall_s']:.2f} s, {r['total_tok_s']:.0f} tok/s ({r['output_tok_s']:.0f} out tok/s), "
+                f"x{HF_SECONDS[base] / r['wall_s']:.1f} vs HF {HF_SECONDS[base]} s")
+        if base == "mixed":
             line += f", {r['wall_s'] / ROOFLINE['mixed_s']:.1f}x roofline {ROOFLINE['mixed_s']} s"
-        if isinstance(hf.get(name), dict) and "wall_s" in hf[name]:
-            line += f", HF here {hf[name]['wall_s']:.1f} s (x{hf[name]['wall_s'] / r['wall_s']:.1f})"
-            if hf[name].get("error"):
-                line += f" HF ERROR: {hf[name]['error']}"
+        if isinstance(hf.get(base), dict) and "wall_s" in hf[base]:
+            line += f", HF here {hf[base]['wall_s']:.1f} s (x{hf[base]['wall_s'] / r['wall_s']:.1f})"
+            if hf[base].get("error"):
+                line += f" HF ERROR: {hf[base]['error']}"
         t = r["timings_s"]
-        parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "build", "forward", "sample", "update"))
+        parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "build", "forward", "sample", "wait", "update"))
         line += (f"; ledger {'ok' if r['ledger_ok'] else 'VIOLATED'}; graphs {r['graph_replays']}"
-                 f"; steps {r['stats'].get('steps')}; t[s/b/f/s/u]={parts}")
+                 f"; steps {r['stats'].get('steps')} (async {r['stats'].get('async_steps')}); t[s/b/f/s/w/u]={parts}")
         for kind, g in r.get("step_profile", {}).items():
             if kind != "slowest":
                 line += (f"; {kind}: {g['steps']} steps {g['total_s']:.1f} s"
@@ -256,7 +260,8 @@ def _table(results: dict) -> str:
     if d:
         for key, r in d.items():
             if r.get("median_step_ms"):
-                rows.append((f"decode[{key}]", f"median {r['median_step_ms']:.2f} ms/step (p90 {r['p90_step_ms']:.2f}),"
+                rows.append((f"decode[{key}]", f"median {r['median_step_ms']:.2f} ms/step (p90 {r['p90_step_ms']:.2f},"
+                                              f" mean {r['mean_step_ms']:.2f}),"
                                               f" {r['median_step_ms'] / ROOFLINE['decode_step_ms']:.2f}x floor 3.8 ms,"
                                               f" {r['decode_steps']} steps"
                                               + (f"; GPU replay b=1 {r['gpu_graph_replay_b1_ms']:.2f} ms"
@@ -277,13 +282,14 @@ def main() -> int:
     ap.add_argument("--with-hf", action="store_true", help="also run HF generate_batch on mixed/shared (slow)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B against the default)")
     ap.add_argument("--graph-ab", action="store_true", help="decode: also time with the graph runner switched off")
+    ap.add_argument("--async-ab", action="store_true", help="also run each workload with async scheduling off")
     ap.add_argument("--pytest", action="store_true", help="also run pytest tests/gpu in a subprocess")
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip sections once this much time has passed")
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (smoke tests)")
     ap.add_argument("--decode-steps", type=int, default=128)
-    ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (int/float/str)")
+    ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (bool/int/float/str)")
     args = ap.parse_args()
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - set(SECTIONS)
@@ -337,6 +343,9 @@ def main() -> int:
         kwargs = dict(load_format="dummy", dtype=args.dtype, enforce_eager=args.enforce_eager)
         for kv in args.engine_arg:
             key, val = kv.split("=", 1)
+            if val.lower() in ("true", "false"):
+                kwargs[key] = val.lower() == "true"
+                continue
             for conv in (int, float):
                 try:
                     val = conv(val)
@@ -364,19 +373,26 @@ def main() -> int:
             warm = [rng.integers(0, vocab, size=n).tolist()] * 2
             run_requests(engine, warm, 4, deadline, f"warmup{i}")
         workloads = {"mixed": mixed_prompts(vocab, args.scale), "shared": shared_prompts(vocab, args.scale)}
+        modes = [(engine.async_scheduling, "")] + ([(False, "_sync")] if args.async_ab else [])
         for name in ("mixed", "shared"):
-            if name not in only:
-                continue
-            if time.perf_counter() > deadline:
-                results["skipped"].append(f"{name}: time budget")
-                continue
-            prompts, max_new = workloads[name]
-            log(f"{name}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {max_new} new each")
-            try:
-                results[name] = run_requests(engine, prompts, max_new, deadline, name)
-            except Exception:  # noqa: BLE001
-                results[name] = {"error": traceback.format_exc()}
-            log(f"{name}: {json.dumps(results[name])}")
+            for async_sched, suffix in modes:
+                if name not in only:
+                    continue
+                if time.perf_counter() > deadline:
+                    results["skipped"].append(f"{name}{suffix}: time budget")
+                    continue
+                engine.async_scheduling = async_sched  # between workloads nothing is in flight
+                prompts, max_new = workloads[name]
+                if suffix:  # same lengths and sharing, other tokens: no prefix hit on the first run's KV
+                    prompts = [[(t + 1) % vocab for t in p] for p in prompts]
+                log(f"{name}{suffix}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+                    f"{max_new} new each, async scheduling {async_sched}")
+                try:
+                    results[name + suffix] = run_requests(engine, prompts, max_new, deadline, name + suffix)
+                except Exception:  # noqa: BLE001
+                    results[name + suffix] = {"error": traceback.format_exc()}
+                log(f"{name}{suffix}: {json.dumps(results[name + suffix])}")
+        engine.async_scheduling = modes[0][0]
         if "decode" in only:
             results["decode"] = {}
             if time.perf_counter() > deadline:
@@ -384,8 +400,11 @@ def main() -> int:
             else:
                 graphs = getattr(engine.runner, "graph_runner", None)
                 mode = "eager" if graphs is None else "graphs"
-                results["decode"][mode] = run_decode(engine, vocab, args.decode_steps, deadline)
-                log(f"decode[{mode}] {results['decode'][mode]}")
+                for async_sched, suffix in modes:
+                    engine.async_scheduling = async_sched
+                    results["decode"][mode + suffix] = run_decode(engine, vocab, args.decode_steps, deadline)
+                    log(f"decode[{mode}{suffix}] {results['decode'][mode + suffix]}")
+                engine.async_scheduling = modes[0][0]
                 if args.graph_ab and graphs is not None and time.perf_counter() < deadline:
                     engine.runner.graph_runner = None
                     results["decode"]["eager"] = run_decode(engine, vocab, args.decode_steps, deadline)

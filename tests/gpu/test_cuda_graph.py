@@ -232,23 +232,47 @@ def test_engine_with_cuda_graphs_matches_eager_and_hf(tiny_dir):
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 40))] for _ in range(9)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runs = {}
-    for eager in (True, False):
-        llm = LLM(model=tiny_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8)
+    for eager, async_sched in ((True, False), (False, False), (False, True)):
+        llm = LLM(model=tiny_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=8,
+                  async_scheduling=async_sched)
         assert llm.engine.runner.model.attn_backend.name == "triton"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        runs[eager] = [o.outputs[0].token_ids for o in outs]
+        runs[eager, async_sched] = [o.outputs[0].token_ids for o in outs]
         s = llm.stats()
         assert s["scheduled_tokens"] == s["forward_tokens"] > 0
         assert s["ledger_violations"] == 0 and s["step_errors"] == 0
+        assert s["async_steps"] == (s["steps"] if async_sched else 0)
         graph_runner = llm.engine.runner.graph_runner
         if eager:
             assert graph_runner is None
         else:
             assert graph_runner is not None and graph_runner.num_replays > 0
-    assert runs[True] == runs[False]
+    assert runs[True, False] == runs[False, False] == runs[False, True]
     hf = load_hf_model(tiny_dir)
-    for p, toks in zip(prompts, runs[False]):
+    for p, toks in zip(prompts, runs[False, True]):
         ids = torch.tensor([p])
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False)
         assert toks == ref[0, len(p):].tolist()
+
+
+@cuda
+def test_async_scheduling_on_gpu_matches_sync(tiny_dir):
+    """Seeded sampling, logprobs, n > 1, stop tokens and chunked prefill: async scheduling on the
+    GPU (tokens fed back on the device, results read through pinned memory) gives what sync does."""
+    from tallyserve import LLM, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.0 if i % 2 else 0.9, seed=i, n=1 + i % 2,
+                             logprobs=2, ignore_eos=True, stop_token_ids=[7 + i]) for i in range(10)]
+    runs = {}
+    for async_sched in (False, True):
+        llm = LLM(model=tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, block_size=4,
+                  max_num_batched_tokens=32, async_scheduling=async_sched)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[async_sched] = [[(c.token_ids, c.finish_reason, [sorted(d) for d in c.logprobs]) for c in o.outputs]
+                             for o in outs]
+        s = llm.stats()
+        assert s["scheduled_tokens"] == s["forward_tokens"] and s["num_free_blocks"] == s["num_total_blocks"]
+    assert runs[False] == runs[True]

@@ -1,0 +1,106 @@
+"""Where the GPU time of a decode step goes: torch.profiler over steady decode steps at a given
+batch size, on dummy weights of a real model shape.
+
+    PYTHONPATH=$PWD python3 benchmarks/kernel_profile.py --batch 1 --batch 246 [--context 640]
+
+For each batch size it prints the step wall time, the GPU busy time per step (union of kernel
+intervals: what is left is idle, waiting for the host) and the kernels by total time, grouped by
+name. With $OUT set, the numbers are written to $OUT/kernel_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _busy_us(events) -> float:
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def profile_batch(llm, batch: int, context: int, steps: int) -> dict:
+    from tallyserve import SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": rng.integers(0, vocab, size=context).tolist()}, params)
+    while engine.scheduler.num_waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):  # steady decode
+        engine.step()
+    _sync()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    engine.abort_request([f"p{batch}-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "batch": batch, "context": context, "steps": steps,
+        "step_ms": wall * 1e3 / steps,
+        "gpu_busy_ms_per_step": _busy_us(kernels) / 1e3 / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "top_kernels_ms_per_step": [(name[:90], round(us / 1e3 / steps, 3)) for name, us in top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--batch", type=int, action="append", default=[])
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (bool/int)")
+    args = ap.parse_args()
+    from tallyserve import LLM
+
+    kwargs = {}
+    for kv in args.engine_arg:
+        key, val = kv.split("=", 1)
+        kwargs[key] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
+    llm = LLM(model=args.model, load_format="dummy", **kwargs)
+    results = [profile_batch(llm, b, args.context, args.steps) for b in (args.batch or [1])]
+    for r in results:
+        print(f"batch {r['batch']} ctx {r['context']}: step {r['step_ms']:.2f} ms, GPU busy "
+              f"{r['gpu_busy_ms_per_step']:.2f} ms, {r['kernels_per_step']:.0f} kernels/step")
+        for name, ms in r["top_kernels_ms_per_step"]:
+            print(f"    {ms:8.3f} ms  {name}")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "kernel_profile.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
