@@ -267,6 +267,16 @@ class KVCacheManager:
         if end > start:
             self._num_cached_blocks[rid] = end
 
+    def uncached_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
+        """Hashes of the request's full blocks within its first ``num_tokens`` that are not indexed
+        yet: KV that a scheduled or in-flight step is computing."""
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens, request.num_resolved_tokens) // self.block_size
+        if end <= start:
+            return []
+        self._update_block_hashes(request)
+        return request.block_hashes[start:end]
+
     def free(self, request: Request) -> None:
         """Return a request's blocks; tail blocks first, so they are evicted before shared prefixes."""
         blocks = self._req_blocks.pop(request.request_id, None)

@@ -37,6 +37,7 @@ class SchedulerStats:
     spec_accepted: int = 0
     spec_verify_steps: int = 0
     async_steps: int = 0  # steps scheduled while the previous one was still running
+    deferred_admissions: int = 0  # a waiting request waited a step for a prefix block being computed
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -126,10 +127,19 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
+        """Admit waiting requests in order. One whose next prefix block is being computed right now
+        (by a request scheduled in this step or in the step still in flight) waits a step and then
+        hits it, rather than computing the same KV again."""
         cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        pending = self._pending_block_hashes(scheduled)
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[idx]
             hit = self.kv.match_prefix(req)
+            if pending and self._prefix_pending(req, hit, pending):
+                self.stats.deferred_admissions += 1
+                idx += 1
+                continue
             n = self._admit(req, hit, budget)
             if n == 0 and hit.partial_src is not None:
                 # In a tight pool the partial source's pinned block can be the one we lack.
@@ -137,7 +147,7 @@ class Scheduler:
                 n = self._admit(req, hit, budget)
             if n == 0:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -149,6 +159,21 @@ class Scheduler:
             self.stats.host_hit_tokens += host_tokens
             scheduled[req.request_id] = n
             budget -= n
+            if pending is not None:
+                pending.update(self.kv.uncached_block_hashes(req, hit.num_tokens + n))
+
+    def _pending_block_hashes(self, scheduled: dict[str, int]) -> Optional[set[int]]:
+        """Hashes of full blocks whose KV is scheduled (this step or in flight) but not cached yet."""
+        if not self.kv.enable_prefix_caching or not self.waiting:
+            return None
+        pending: set[int] = set()
+        for req in self.running:
+            pending.update(self.kv.uncached_block_hashes(req, req.num_computed_tokens + scheduled.get(req.request_id, 0)))
+        return pending
+
+    def _prefix_pending(self, req: Request, hit, pending: set[int]) -> bool:
+        i = len(hit.blocks)  # the first block the cache could not serve
+        return (i + 1) * self.kv.block_size < req.num_tokens and i < len(req.block_hashes) and req.block_hashes[i] in pending
 
     def _admit(self, req: Request, hit, budget: int) -> int:
         """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge."""
@@ -268,6 +293,8 @@ class Scheduler:
                 req.num_output_placeholders -= 1
                 status = self._check_stop(req, end + 1)
                 if status is not None:
+                    if req.status == RequestStatus.RUNNING:
+                        self.kv.cache_blocks(req, end)
                     del req.all_token_ids[end + 1:]
                     req.num_output_placeholders = 0
                     self._finish(req, status)

@@ -51,6 +51,9 @@ class SimOptions:
     record_steps: bool = False  # keep each step's ((request id, tokens, start position)..., kv_transfers)
     max_steps: Optional[int] = None
     progress: bool = False
+    # Schedule step N+1 before step N's tokens are in, as the engine does on a GPU (None: the
+    # engine arguments' async_scheduling, which defaults to on, as on CUDA).
+    async_scheduling: Optional[bool] = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ class Simulator:
         self.integrity_checks = 0
         self.violations: list[str] = []
         self.steps: list[tuple] = []
+        mode = self.opts.async_scheduling
+        self.async_scheduling = mode if mode is not None else config.args.async_scheduling is not False
 
     # ----------------------------------------------------------------- requests
     def _submit(self, conv_idx: int) -> None:
@@ -112,7 +117,7 @@ class Simulator:
         live.request = req
         self._live[spec.request_id] = live
 
-    def _advance(self, conv_idx: int) -> None:
+    def _advance(self, conv_idx: int, now: Optional[float] = None) -> None:
         """Queue the conversation's next turn (if any) after its think time."""
         self._done += 1
         if self._bar is not None:
@@ -121,7 +126,7 @@ class Simulator:
         turns, pos = self._convs[conv_idx], self._turn[conv_idx]
         if pos < len(turns):
             spec = turns[pos]
-            at = max(self.now + spec.think_time_s, spec.arrival_s or 0.0)
+            at = max((self.now if now is None else now) + spec.think_time_s, spec.arrival_s or 0.0)
             heapq.heappush(self._arrivals, (at, self._seq, conv_idx))
             self._seq += 1
 
@@ -133,10 +138,12 @@ class Simulator:
         while self._client_queue and (cap is None or len(self._live) < cap):
             self._submit(self._client_queue.popleft())
 
-    def _complete(self, req: Request) -> None:
+    def _complete(self, req: Request, now: Optional[float] = None) -> None:
+        """``now``: when its last step ended (async scheduling learns of it one step later)."""
+        now = self.now if now is None else now
         live = self._live.pop(req.request_id)
         rec = live.record
-        rec.latency_s = self.now - rec.start_s
+        rec.latency_s = now - rec.start_s
         rec.completion_tokens = req.num_output_tokens
         rec.cached_tokens = max(req.num_cached_tokens, 0)
         rec.finish_reason = req.status.finish_reason
@@ -145,25 +152,30 @@ class Simulator:
             self._failed[live.conv] = True
         else:
             self._conv_tokens[live.conv].add_reply(live.prompt, req.output_token_ids)
-        self._advance(live.conv)
+        self._advance(live.conv, now)
 
     # ----------------------------------------------------------------- one step
     def _forward_tokens(self, so: SchedulerOutput) -> int:
         """What the forward pass would compute: the real batch, or the same count from the rows."""
-        if self.opts.build_batches:
-            return ForwardBatch.build(so, self.config.cache_config.block_size, torch.device("cpu")).num_tokens
+        if self.opts.build_batches:  # placeholder rows would read the previous step's tokens
+            src = {e.request_id: 0 for e in so.requests}
+            return ForwardBatch.build(so, self.config.cache_config.block_size, torch.device("cpu"), src).num_tokens
         reqs = self.scheduler.requests
         total = 0
         for e in so.requests:
             req = reqs[e.request_id]
-            if e.start_position != req.num_computed_tokens or e.num_tokens > ledger.query_tokens(
-                    req.num_tokens, e.start_position, e.num_draft_tokens):
+            computed, num_tokens = req.num_computed_tokens, req.num_tokens
+            if so.async_scheduled:  # the scheduler already advanced it (and added a placeholder)
+                computed, num_tokens = computed - e.num_tokens, num_tokens - e.sample
+            if e.start_position != computed or e.num_tokens > ledger.query_tokens(
+                    num_tokens, e.start_position, e.num_draft_tokens):
                 raise ledger.LedgerError(f"{e.request_id}: row computes {e.num_tokens} tokens from position "
                                          f"{e.start_position}, request has {req.num_computed_tokens}/{req.num_tokens}")
             total += len(e.token_ids)
         return total
 
-    def _step(self, so: SchedulerOutput) -> None:
+    def _step(self, so: SchedulerOutput) -> Optional[tuple[SchedulerOutput, dict[str, list[int]], float]]:
+        """Run one step on the virtual clock; returns what ``update`` needs (None: it failed)."""
         sched = self.scheduler
         try:
             fwd = self._forward_tokens(so)
@@ -174,7 +186,7 @@ class Simulator:
             self.violations.append(f"step {so.step_id}: {exc}")
             for req in sched.fail_step(so, f"LedgerError: {exc}"):
                 self._complete(req)
-            return
+            return None
         dt = self.cost.step_time(StepShape.of(so))
         self.now += dt
         self.busy_s += dt
@@ -196,8 +208,13 @@ class Simulator:
         used = sched.kv.num_total_blocks - sched.kv.num_free_blocks
         if used > self.peak_blocks:
             self.peak_blocks = used
-        for req in sched.update(so, sampled):
-            self._complete(req)
+        return so, sampled, now
+
+    def _update(self, done: Optional[tuple[SchedulerOutput, dict[str, list[int]], float]]) -> None:
+        if done is not None:
+            so, sampled, ended = done
+            for req in self.scheduler.update(so, sampled):
+                self._complete(req, ended)
 
     # ----------------------------------------------------------------- the loop
     def _setup(self, workload: Workload) -> None:
@@ -233,21 +250,24 @@ class Simulator:
         sched = self.scheduler
         self._next_check_wall = 0.0
         self._bar = tqdm(total=len(workload), desc="simulate", unit="req", disable=not self.opts.progress)
-        n_steps = 0
+        n_steps, in_flight = 0, None
         try:
             while True:
                 self._release_arrivals()
-                if not sched.has_unfinished_requests():
+                if not sched.has_unfinished_requests() and in_flight is None:
                     if not self._arrivals:
                         break
                     self.now = max(self.now, self._arrivals[0][0])
                     continue
-                so = sched.schedule()
-                if so.is_empty:
+                so = sched.schedule(async_scheduling=self.async_scheduling)
+                if so.is_empty and in_flight is None:
                     raise SimulationError(
                         f"nothing schedulable at t={self.now:.3f}s with {sched.num_waiting} waiting and "
                         f"{sched.num_running} running requests: a prompt needs more KV blocks than the pool has")
-                self._step(so)
+                done = None if so.is_empty else self._step(so)
+                if self.async_scheduling:  # the previous step's tokens arrive after this one was scheduled
+                    done, in_flight = in_flight, done
+                self._update(done)
                 n_steps += 1
                 if self._integrity_due(n_steps):
                     self._check_integrity()

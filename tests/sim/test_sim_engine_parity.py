@@ -1,7 +1,7 @@
 """The simulator and the real engine (tiny model on CPU) admit identical batches step by step:
 same request ids, token counts, start positions and KV moves (offloads, restores, partial copies),
 for the same trace and engine arguments, under chunked prefill, full and partial prefix reuse,
-a host tier, preemption and eviction."""
+a host tier, preemption and eviction, with and without async scheduling."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_simulator_matches_engine_batches(tiny_dir, name):
+def test_simulator_matches_engine_batches(tiny_dir, name, async_sched):
     prompts = _prompts()
-    llm = LLM(model=tiny_dir, **CONFIGS[name])
+    llm = LLM(model=tiny_dir, async_scheduling=async_sched, **CONFIGS[name])
     engine_steps = []
     engine = llm.engine
     engine.fault_injector = lambda so: engine_steps.append(
@@ -59,7 +60,7 @@ def test_simulator_matches_engine_batches(tiny_dir, name):
     cost = RooflineCostModel(config.model_config, HARDWARE["h200"])
     # The simulator samples what the engine sampled, so later prefix matches see the same tokens.
     opts = SimOptions(integrity_every=1, build_batches=True, record_steps=True,
-                      token_fn=lambda rid, i: tokens[rid][i])
+                      token_fn=lambda rid, i: tokens[rid][i], async_scheduling=async_sched)
     res = Simulator(config, cost, opts).run(Workload("parity", specs))
     assert all(r.ok and r.completion_tokens == MAX_TOKENS for r in res.records)
     assert len(res.steps) == len(engine_steps)
@@ -71,6 +72,7 @@ def test_simulator_matches_engine_batches(tiny_dir, name):
     assert sim_stats["partial_hit_tokens"] == eng_stats["partial_hit_tokens"]
     assert sim_stats["host_hit_tokens"] == eng_stats["host_hit_tokens"]
     assert sim_stats["ledger"]["scheduled_tokens"] == eng_stats["scheduled_tokens"] == eng_stats["forward_tokens"]
+    assert eng_stats["async_steps"] == (eng_stats["steps"] if async_sched else 0)
     if name == "chunked-tight":
         assert eng_stats["preemptions"] > 0 and eng_stats["partial_hit_tokens"] > 0
     if name == "host-tier":

@@ -115,8 +115,8 @@ def test_ledger_violation_fails_only_its_step():
     w = build_workload(WorkloadOptions(workload="random", num_requests=10, **SMALL))
 
     def corrupt_once(original):
-        def schedule():
-            so = original()
+        def schedule(**kw):
+            so = original(**kw)
             if so.step_id == 3:
                 return dataclasses.replace(so, total_tokens=so.total_tokens + 1)
             return so

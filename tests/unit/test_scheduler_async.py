@@ -103,3 +103,32 @@ def test_preempted_request_gets_its_in_flight_token_and_recomputes():
     s.update(so2, {"a": [13]})
     assert a.output_token_ids == [11, 13]
     s.kv.check_integrity()
+
+
+def test_request_waits_a_step_for_a_prefix_block_being_computed():
+    """B shares A's first two blocks. Sync: A computes them in step 1 while B waits, then B hits both.
+    Async: B arrives while A's prefill is in flight, waits, and hits both once that step is done."""
+    shared = list(range(20, 28))
+    # sync: both arrive together
+    s = _sched()
+    s.add_request(_req("a", shared + [1, 2]))
+    s.add_request(_req("b", shared + [3, 4, 5]))
+    so1 = s.schedule()
+    assert [e.request_id for e in so1.requests] == ["a"] and s.stats.deferred_admissions == 1
+    s.update(so1, {"a": [9]})
+    so2 = s.schedule()
+    b = _entry(so2, "b")
+    assert b.start_position == 8 and b.token_ids == (3, 4, 5) and b.block_ids[:2] == so1.requests[0].block_ids[:2]
+    assert s.stats.prefix_hit_tokens == 8 and s.stats.scheduled_tokens == 10 + 1 + 3
+    # async: b arrives after a's prefill was launched
+    s = _sched()
+    s.add_request(_req("a", shared + [1, 2]))
+    so1 = s.schedule(async_scheduling=True)
+    s.add_request(_req("b", shared + [3, 4, 5]))
+    so2 = s.schedule(async_scheduling=True)
+    assert [e.request_id for e in so2.requests] == ["a"] and s.stats.deferred_admissions == 1
+    s.update(so1, {"a": [9]})
+    so3 = s.schedule(async_scheduling=True)
+    b = _entry(so3, "b")
+    assert b.start_position == 8 and b.block_ids[:2] == so1.requests[0].block_ids[:2]
+    assert s.stats.prefix_hit_tokens == 8
