@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -26,8 +27,13 @@ _DTYPES = {
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: $TALLYSERVE_DEVICE when set (e.g. ``cpu`` on a CUDA machine), else CUDA if available."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get("TALLYSERVE_DEVICE") or "auto"
+        if name == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+            raise ValueError(f"TALLYSERVE_DEVICE must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} was requested but CUDA is not available")

@@ -83,6 +83,7 @@ def apply_top_k_top_p_min_p(
     top_k: Optional[torch.Tensor] = None,
     top_p: Optional[torch.Tensor] = None,
     min_p: Optional[torch.Tensor] = None,
+    max_top_k: Optional[int] = None,
 ) -> torch.Tensor:
     """Mask (set to -inf) the tokens each row's filters remove; return a new tensor.
 
@@ -92,6 +93,8 @@ def apply_top_k_top_p_min_p(
     (renormalised after top-k) reaches top_p; 1 disables. min_p: (M,) float in [0, 1]; removes
     tokens whose probability is below min_p times the most likely token's. The most likely token
     always survives. Filters apply in the order top-k, top-p, min-p. Pass None to skip a filter.
+    ``max_top_k``: the largest active top_k when the caller knows it; then nothing here waits for
+    the device (async scheduling queues the next step while this one runs).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {tuple(logits.shape)}")
@@ -100,28 +103,26 @@ def apply_top_k_top_p_min_p(
     if top_k is not None:
         k = top_k.to(device=out.device, dtype=torch.long)
         active = (k > 0) & (k < vocab)
-        if bool(active.any()):
-            k_eff = torch.where(active, k, torch.ones_like(k))
-            kth = out.topk(int(k_eff.max()), dim=-1).values.gather(1, (k_eff - 1).unsqueeze(1))
-            kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, -float("inf")))
-            out.masked_fill_(out < kth, -float("inf"))
+        k_eff = torch.where(active, k, torch.ones_like(k))
+        k_max = max_top_k if max_top_k is not None else int(k_eff.max())
+        kth = out.topk(max(1, min(k_max, vocab)), dim=-1).values.gather(1, (k_eff - 1).unsqueeze(1))
+        kth = torch.where(active.unsqueeze(1), kth, torch.full_like(kth, -float("inf")))
+        out.masked_fill_(out < kth, -float("inf"))
     if top_p is not None:
         p = top_p.to(device=out.device, dtype=out.dtype)
-        active = p < 1.0
-        if bool(active.any()):
-            sorted_logits, order = out.sort(dim=-1, descending=True, stable=True)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumulative sum
-            sorted_drop = (mass_before >= p.unsqueeze(1)) & active.unsqueeze(1)
-            sorted_drop[:, 0] = False  # the most likely token always stays
-            drop = torch.zeros_like(sorted_drop).scatter_(1, order, sorted_drop)
-            out.masked_fill_(drop, -float("inf"))
+        active = p < 1.0  # rows at 1.0 drop nothing (no host check: it would wait for the device)
+        sorted_logits, order = out.sort(dim=-1, descending=True, stable=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumulative sum
+        sorted_drop = (mass_before >= p.unsqueeze(1)) & active.unsqueeze(1)
+        sorted_drop[:, 0] = False  # the most likely token always stays
+        drop = torch.zeros_like(sorted_drop).scatter_(1, order, sorted_drop)
+        out.masked_fill_(drop, -float("inf"))
     if min_p is not None:
         mp = min_p.to(device=out.device, dtype=out.dtype)
-        if bool((mp > 0).any()):
-            probs = out.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * mp.unsqueeze(1)
-            out.masked_fill_(probs < threshold, -float("inf"))
+        probs = out.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * mp.unsqueeze(1)  # 0 for rows without min_p
+        out.masked_fill_(probs < threshold, -float("inf"))
     return out
 
 
@@ -200,15 +201,17 @@ class Sampler:
         sub = [params[i] for i in rows]
         temps = torch.tensor([p.temperature for p in sub], device=device, dtype=torch.float32)
         scaled = logits[torch.tensor(rows, device=device)] / temps.unsqueeze(1)
-        top_k = top_p = min_p = None
-        if any(0 < p.top_k < logits.shape[1] for p in sub):
+        top_k = top_p = min_p = max_top_k = None
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab for p in sub):
             top_k = torch.tensor([p.top_k for p in sub], device=device)
+            max_top_k = max(p.top_k for p in sub if 0 < p.top_k < vocab)
         if any(p.top_p < 1.0 for p in sub):
             top_p = torch.tensor([p.top_p for p in sub], device=device, dtype=torch.float32)
         if any(p.min_p > 0.0 for p in sub):
             min_p = torch.tensor([p.min_p for p in sub], device=device, dtype=torch.float32)
         if top_k is not None or top_p is not None or min_p is not None:
-            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p, max_top_k)
         probs = scaled.softmax(dim=-1)
 
         # q = -log(U), U ~ Uniform[0, 1), is Exp(1); on CPU uniform_ + log is ~2.5x faster than

@@ -171,3 +171,14 @@ def test_cli_generate(model_dir, capsys):
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["prompt"] == "Hello there" and len(rec["token_ids"]) == 4 and rec["finish_reason"] == "length"
     assert cli_main(["generate", "--model", model_dir, "hi", "--block-size", "0"]) == 2
+
+
+def test_device_auto_follows_tallyserve_device(monkeypatch):
+    from tallyserve.runner.model_runner import resolve_device
+
+    monkeypatch.setenv("TALLYSERVE_DEVICE", "cpu")
+    assert resolve_device("auto").type == "cpu"
+    monkeypatch.setenv("TALLYSERVE_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="TALLYSERVE_DEVICE"):
+        resolve_device("auto")
+    assert resolve_device("cpu").type == "cpu"  # an explicit device ignores it

@@ -187,3 +187,21 @@ def test_row_count_mismatch_raises():
 def test_bf16_logits_accepted():
     out = Sampler().sample(_logits(2).bfloat16(), [SamplingParams(temperature=0)] * 2, [None] * 2)
     assert len(out.token_ids) == 2 and all(isinstance(t, int) for t in out.token_ids)
+
+
+def test_filters_with_host_known_top_k_and_inactive_rows():
+    """A mixed batch (rows with and without each filter) masks the same tokens whether the caller
+    passes the largest top_k from the host (as the sampler does, so nothing waits on the device) or not;
+    rows without a filter keep every token."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen)
+    top_k = torch.tensor([3, 0, 50, 7])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.2, 0.0])
+    a = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    b = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k=7)
+    assert torch.equal(a, b)
+    kept = a.isfinite().sum(dim=1).tolist()
+    assert kept[0] == 3 and 1 <= kept[1] < 50 and 1 <= kept[2] < 50 and kept[3] <= 7
+    none = apply_top_k_top_p_min_p(logits, torch.tensor([0, 0, 0, 0]), torch.ones(4), torch.zeros(4), max_top_k=1)
+    assert torch.equal(none, logits)
