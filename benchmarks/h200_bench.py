@@ -151,12 +151,14 @@ def _step_profile(step_log) -> dict:
     return out
 
 
-def run_decode(engine, vocab: int, steps: int, deadline: float) -> dict:
+def run_decode(engine, vocab: int, steps: int, deadline: float, sampling: bool = False) -> dict:
     from tallyserve import SamplingParams
 
     room = engine.config.scheduler_config.max_model_len - steps - 2
     prompt = np.random.default_rng(2).integers(0, vocab, size=max(1, min(512, room))).tolist()
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    if sampling:  # what chat clients send: the filters run on the device every step
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
     rid = f"decode-{time.monotonic_ns()}"
     before = dict(engine.timings)
     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -283,6 +285,8 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B against the default)")
     ap.add_argument("--graph-ab", action="store_true", help="decode: also time with the graph runner switched off")
     ap.add_argument("--async-ab", action="store_true", help="also run each workload with async scheduling off")
+    ap.add_argument("--decode-sampling", action="store_true",
+                    help="decode: also time temperature 0.8, top_p 0.95, top_k 50 sampling")
     ap.add_argument("--pytest", action="store_true", help="also run pytest tests/gpu in a subprocess")
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip sections once this much time has passed")
     ap.add_argument("--model", default="llama-3-8b")
@@ -404,6 +408,10 @@ def main() -> int:
                     engine.async_scheduling = async_sched
                     results["decode"][mode + suffix] = run_decode(engine, vocab, args.decode_steps, deadline)
                     log(f"decode[{mode}{suffix}] {results['decode'][mode + suffix]}")
+                    if args.decode_sampling:
+                        key = mode + suffix + "_sampling"
+                        results["decode"][key] = run_decode(engine, vocab, args.decode_steps, deadline, True)
+                        log(f"decode[{key}] {results['decode'][key]}")
                 engine.async_scheduling = modes[0][0]
                 if args.graph_ab and graphs is not None and time.perf_counter() < deadline:
                     engine.runner.graph_runner = None
