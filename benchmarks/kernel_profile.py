@@ -38,13 +38,15 @@ def _busy_us(events) -> float:
     return busy
 
 
-def profile_batch(llm, batch: int, context: int, steps: int) -> dict:
+def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = False) -> dict:
     from tallyserve import SamplingParams
 
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    if sampling:
+        params = SamplingParams(max_tokens=steps + 40, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": rng.integers(0, vocab, size=context).tolist()}, params)
     while engine.scheduler.num_waiting or any(
@@ -65,6 +67,7 @@ def profile_batch(llm, batch: int, context: int, steps: int) -> dict:
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    host_ops = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])[:15]
     engine.abort_request([f"p{batch}-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
         engine.step()
@@ -74,6 +77,7 @@ def profile_batch(llm, batch: int, context: int, steps: int) -> dict:
         "gpu_busy_ms_per_step": _busy_us(kernels) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
         "top_kernels_ms_per_step": [(name[:90], round(us / 1e3 / steps, 3)) for name, us in top],
+        "top_host_ops_self_ms_per_step": [(name[:90], round(us / 1e3 / steps, 3)) for name, us in host_ops],
     }
 
 
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sampling", action="store_true", help="temperature 0.8, top_p 0.95, top_k 50 instead of greedy")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (bool/int)")
     args = ap.parse_args()
     from tallyserve import LLM
@@ -92,11 +97,14 @@ def main() -> None:
         key, val = kv.split("=", 1)
         kwargs[key] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
     llm = LLM(model=args.model, load_format="dummy", **kwargs)
-    results = [profile_batch(llm, b, args.context, args.steps) for b in (args.batch or [1])]
+    results = [profile_batch(llm, b, args.context, args.steps, args.sampling) for b in (args.batch or [1])]
     for r in results:
         print(f"batch {r['batch']} ctx {r['context']}: step {r['step_ms']:.2f} ms, GPU busy "
               f"{r['gpu_busy_ms_per_step']:.2f} ms, {r['kernels_per_step']:.0f} kernels/step")
         for name, ms in r["top_kernels_ms_per_step"]:
+            print(f"    {ms:8.3f} ms  {name}")
+        print("  host ops by self CPU time:")
+        for name, ms in r["top_host_ops_self_ms_per_step"]:
             print(f"    {ms:8.3f} ms  {name}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "kernel_profile.json").write_text(json.dumps(results, indent=2))

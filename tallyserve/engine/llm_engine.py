@@ -29,7 +29,7 @@ from tallyserve.runner.model_runner import (
     resolve_dtype,
 )
 from tallyserve.runner.rejection_sampler import TokenSample, verify_drafts
-from tallyserve.runner.sampler import PendingSamplerOutput, Sampler
+from tallyserve.runner.sampler import PendingSamplerOutput, Sampler, host_tensor
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -292,6 +292,7 @@ class LLMEngine:
         self.beams.after_step()
         self.timings["update"] += time.perf_counter() - t5
 
+    @torch.inference_mode()  # the logits are inference tensors; min_tokens bans edit them in place
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> InFlightStep:
         """Queue the sampling of a step's logits. Plain rows stay on the device (their tokens feed
         the next async step); beam rows and draft verification are resolved here, on the host."""
@@ -306,7 +307,7 @@ class LLMEngine:
             if e.num_output_tokens < e.sampling_params.min_tokens:
                 banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
                 if banned:
-                    logits[row:row + n, banned] = float("-inf")
+                    logits[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
             if e.num_draft_tokens:
                 gen = self._seqs[e.request_id].generator or self.sampler._shared_generator(logits.device)
                 q = self.spec.draft_probs(e.request_id, e.num_draft_tokens)
@@ -317,7 +318,7 @@ class LLMEngine:
             row += n
         step = InFlightStep(so, resolved)
         if plain:
-            sub = logits if len(plain_rows) == logits.shape[0] else logits[torch.tensor(plain_rows, device=logits.device)]
+            sub = logits if len(plain_rows) == logits.shape[0] else logits[host_tensor(plain_rows, logits.device)]
             gens = [self._seqs[e.request_id].generator for e in plain]
             tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens)
             step.token_ids = tensors.token_ids

@@ -23,6 +23,16 @@ from tallyserve.sampling_params import SamplingParams
 _MIN_EXPONENTIAL = 1e-30
 
 
+def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small tensor of host values on ``device`` without waiting for the device. A plain
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronizes the stream,
+    which would stall async scheduling; this one is staged in pinned memory and copied non-blocking."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SampledTensors:
     """One sampling call's results, still on the logits' device (async scheduling feeds
@@ -178,14 +188,14 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             sampled = self._sample_random(logits, random_rows, params, generators)
-            token_ids[torch.tensor(random_rows, device=logits.device)] = sampled
+            token_ids[host_tensor(random_rows, logits.device)] = sampled
         logsumexp = logits.logsumexp(dim=-1)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
         out = SampledTensors(token_ids, sampled_logprobs, [i for i, p in enumerate(params) if p.logprobs], [])
         if out.top_rows:
             out.top_ks = [params[i].logprobs for i in out.top_rows]
             k_max = min(max(out.top_ks), logits.shape[1])
-            index = torch.tensor(out.top_rows, device=logits.device)
+            index = host_tensor(out.top_rows, logits.device)
             values, out.top_ids = logits[index].topk(k_max, dim=-1)
             out.top_values = values - logsumexp[index].unsqueeze(1)
         return out
@@ -199,17 +209,17 @@ class Sampler:
     ) -> torch.Tensor:
         device = logits.device
         sub = [params[i] for i in rows]
-        temps = torch.tensor([p.temperature for p in sub], device=device, dtype=torch.float32)
-        scaled = logits[torch.tensor(rows, device=device)] / temps.unsqueeze(1)
+        temps = host_tensor([p.temperature for p in sub], device, torch.float32)
+        scaled = logits[host_tensor(rows, device)] / temps.unsqueeze(1)
         top_k = top_p = min_p = max_top_k = None
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab for p in sub):
-            top_k = torch.tensor([p.top_k for p in sub], device=device)
+            top_k = host_tensor([p.top_k for p in sub], device)
             max_top_k = max(p.top_k for p in sub if 0 < p.top_k < vocab)
         if any(p.top_p < 1.0 for p in sub):
-            top_p = torch.tensor([p.top_p for p in sub], device=device, dtype=torch.float32)
+            top_p = host_tensor([p.top_p for p in sub], device, torch.float32)
         if any(p.min_p > 0.0 for p in sub):
-            min_p = torch.tensor([p.min_p for p in sub], device=device, dtype=torch.float32)
+            min_p = host_tensor([p.min_p for p in sub], device, torch.float32)
         if top_k is not None or top_p is not None or min_p is not None:
             scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p, max_top_k)
         probs = scaled.softmax(dim=-1)
@@ -224,7 +234,7 @@ class Sampler:
         if shared:
             draw = torch.empty((len(shared), probs.shape[1]), device=device, dtype=probs.dtype)
             draw.uniform_(generator=self._shared_generator(device))
-            u[torch.tensor(shared, device=device)] = draw
+            u[host_tensor(shared, device)] = draw
         q = u.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
         return (probs / q).argmax(dim=-1)
 

@@ -276,3 +276,37 @@ def test_async_scheduling_on_gpu_matches_sync(tiny_dir):
         s = llm.stats()
         assert s["scheduled_tokens"] == s["forward_tokens"] and s["num_free_blocks"] == s["num_total_blocks"]
     assert runs[False] == runs[True]
+
+
+@cuda
+def test_async_step_launch_never_waits_for_the_device(tiny_dir):
+    """Async scheduling only overlaps if launching a step (batch upload, placeholder fill, graph
+    replay, lm_head, sampling with every filter, logprobs, the copy back) never synchronizes. Every
+    decode-step launch runs under torch's sync debug mode "error": a synchronizing call raises, fails
+    that step and shows up in step_errors."""
+    from tallyserve import LLM, SamplingParams
+
+    llm = LLM(model=tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, block_size=4, async_scheduling=True)
+    engine = llm.engine
+    launch = engine._launch
+    checked = []
+
+    def strict_launch(so, touched):
+        if all(e.num_tokens == 1 for e in so.requests):  # decode steps (prefill may grow the allocator)
+            checked.append(so.step_id)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(so, touched)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    engine._launch = strict_launch
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, min_p=0.05, seed=3, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, logprobs=1)]
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 9, 30, 7]} for i in range(4)], params)
+    s = llm.stats()
+    assert s["step_errors"] == 0 and len(checked) >= 8
+    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+    assert all(len(o.outputs[0].token_ids) >= 6 for o in outs)

@@ -182,3 +182,18 @@ def test_device_auto_follows_tallyserve_device(monkeypatch):
     with pytest.raises(ValueError, match="TALLYSERVE_DEVICE"):
         resolve_device("auto")
     assert resolve_device("cpu").type == "cpu"  # an explicit device ignores it
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    prompt = {"prompt_token_ids": [12, 200, 31, 9, 77, 140, 66, 21]}
+    toks = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    cut = next(i for i in range(1, 8) if toks[i] not in toks[:i])
+    stop = toks[cut]
+    early = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                stop_token_ids=[stop]))[0].outputs[0]
+    assert early.token_ids == toks[: cut + 1] and early.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
+                                               min_tokens=cut + 2))[0].outputs[0]
+    assert stop not in held.token_ids[: cut + 2] and len(held.token_ids) >= cut + 2
+    assert held.token_ids[:cut] == toks[:cut] and held.finish_reason in ("stop", "length")
+    assert _free(llm)
