@@ -52,6 +52,17 @@ def test_default_max_tokens_is_16(client):
     assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
 
 
+def test_min_tokens_holds_back_stop_token_ids(client, offline):
+    ref = _greedy(offline, PROMPTS[2], 8)
+    stop = ref.token_ids[0]
+    early = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    assert early.usage.completion_tokens == 1 and early.choices[0].finish_reason == "stop"
+    held = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [stop], "min_tokens": 4})
+    assert held.usage.completion_tokens >= 4 and held.choices[0].finish_reason in ("stop", "length")
+
+
 def test_token_id_prompts_and_batches(client, offline):
     tok = offline.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS[:2]]
