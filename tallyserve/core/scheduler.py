@@ -59,6 +59,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step_id = 0
         self._last_idle_check = float("-inf")
+        # Async steps not updated yet: step id -> the Request of each entry (an id may be reused
+        # by a new request once the old one ended; its results must not reach the new one).
+        self._in_flight: dict[int, tuple[Request, ...]] = {}
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -127,19 +130,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
-        """Admit waiting requests in order. One whose next prefix block is being computed right now
-        (by a request scheduled in this step or in the step still in flight) waits a step and then
-        hits it, rather than computing the same KV again."""
+        """Admit waiting requests in order. When the next one's next prefix block is being computed
+        right now (by a request scheduled in this step or in the step still in flight), admission
+        stops for this step: that request then hits the block instead of computing the same KV again,
+        and nothing behind it (lower priority or later) takes its seat or blocks meanwhile."""
         cfg = self.config
         pending = self._pending_block_hashes(scheduled)
-        idx = 0
-        while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[idx]
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
             hit = self.kv.match_prefix(req)
             if pending and self._prefix_pending(req, hit, pending):
                 self.stats.deferred_admissions += 1
-                idx += 1
-                continue
+                break
             n = self._admit(req, hit, budget)
             if n == 0 and hit.partial_src is not None:
                 # In a tight pool the partial source's pinned block can be the one we lack.
@@ -147,7 +149,7 @@ class Scheduler:
                 n = self._admit(req, hit, budget)
             if n == 0:
                 break
-            self.waiting.pop(idx)
+            self.waiting.pop(0)
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -196,7 +198,7 @@ class Scheduler:
 
     def _build_output(self, scheduled: dict[str, int], preempted: list[Request],
                       async_scheduling: bool = False) -> SchedulerOutput:
-        entries = []
+        entries, reqs = [], []
         for rid, n in scheduled.items():
             req = self.requests[rid]
             start = req.num_computed_tokens
@@ -215,6 +217,7 @@ class Scheduler:
                 )
             )
             req.spec_token_ids = []
+            reqs.append(req)
             if async_scheduling:
                 if drafts:
                     raise ValueError("async scheduling does not verify draft tokens")
@@ -228,6 +231,8 @@ class Scheduler:
             self.stats.steps += 1
             self.stats.scheduled_tokens += total
             self.stats.async_steps += async_scheduling
+            if async_scheduling:
+                self._in_flight[self._step_id] = tuple(reqs)
         return SchedulerOutput(
             step_id=self._step_id,
             requests=tuple(entries),
@@ -281,10 +286,10 @@ class Scheduler:
         since, which will recompute) and the blocks it completed are cached. A request that stops
         here may already sit in the next in-flight step; that step's row for it is dropped."""
         finished = []
-        for entry in output.requests:
+        for entry, scheduled_req in zip(output.requests, self._in_flight.pop(output.step_id)):
             req = self.requests.get(entry.request_id)
-            if req is None:
-                continue  # finished or aborted while the step ran
+            if req is not scheduled_req:
+                continue  # finished or aborted while the step ran (its id may be a new request's now)
             end = entry.start_position + entry.num_tokens  # KV this step computed; its token goes here
             if entry.sample:
                 if req.all_token_ids[end] != PLACEHOLDER_TOKEN_ID:
@@ -319,10 +324,11 @@ class Scheduler:
         """A step that could not run fails only its own requests; the loop goes on."""
         if not transfers_ran:
             self.kv.discard_offloads(output.kv_transfers.offloads)
+        scheduled_reqs = self._in_flight.pop(output.step_id, None)
         failed = []
-        for entry in output.requests:
+        for i, entry in enumerate(output.requests):
             req = self.requests.get(entry.request_id)
-            if req is None or req.is_finished():
+            if req is None or req.is_finished() or (scheduled_reqs is not None and req is not scheduled_reqs[i]):
                 continue
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)

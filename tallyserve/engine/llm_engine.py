@@ -45,6 +45,7 @@ class InFlightStep:
 
     so: SchedulerOutput
     resolved: dict[str, list[TokenSample]]  # rows sampled on the host (drafts verified)
+    seqs: dict[str, Optional[SequenceState]] = field(default_factory=dict)  # who sampled, by identity
     token_ids: Optional[torch.Tensor] = None  # device tensor of the plain rows' tokens
     token_index: dict[str, int] = field(default_factory=dict)  # request id -> row of token_ids
     pending: Optional[PendingSamplerOutput] = None
@@ -213,8 +214,10 @@ class LLMEngine:
             self.beams.after_step(progressed=False)
             return outputs
         touched = {}
-        launched = self._launch(so, touched)
-        if launched is not None:
+        launched, failure = self._launch(so)
+        if failure is not None:
+            self._fail_step(so, failure[0], touched, transfers_ran=failure[1])
+        else:
             self._complete(launched, touched)
         return outputs + self._collect_finished(touched)
 
@@ -224,9 +227,9 @@ class LLMEngine:
         self.timings["schedule"] += time.perf_counter() - t0
         outputs, self._pending = self._pending, []
         touched: dict[str, ParentState] = {}
-        launched = None
+        launched, failure = None, None
         if not so.is_empty:
-            launched = self._launch(so, touched)
+            launched, failure = self._launch(so)
         elif so.kv_transfers:
             self.runner.apply_transfers(so.kv_transfers)
         prev, self._inflight = self._inflight, launched
@@ -234,17 +237,19 @@ class LLMEngine:
             self._complete(prev, touched)
         elif so.is_empty and so.kv_transfers:
             self.scheduler.update(so, {})
+        if failure is not None:  # after the previous step's results: what stopped there stays stopped
+            self._fail_step(so, failure[0], touched, transfers_ran=failure[1])
         return outputs + self._collect_finished(touched)
 
-    def _launch(self, so: SchedulerOutput, touched: dict[str, ParentState]) -> Optional[InFlightStep]:
+    def _launch(self, so: SchedulerOutput) -> tuple[Optional[InFlightStep], Optional[tuple[Exception, bool]]]:
         """Transfers, batch, forward and sampling of one step, queued on the device; the host
-        results come from ``_complete``. A failure fails this step's requests and returns None."""
+        results come from ``_complete``. On failure: (None, (exception, whether the transfers ran));
+        the caller fails this step's requests (only its own: one failed step never ends the loop)."""
         t1 = time.perf_counter()
         try:
             self.runner.apply_transfers(so.kv_transfers)
         except Exception as exc:  # noqa: BLE001 - the promised host copies never happened
-            self._fail_step(so, exc, touched, transfers_ran=False)
-            return None
+            return None, (exc, False)
         prev = self._inflight
         try:
             batch = ForwardBatch.build(so, self.runner.block_size, self.device,
@@ -260,10 +265,9 @@ class LLMEngine:
             self.timings["forward"] += t3 - t2
             step = self._sample(so, logits)
             self.timings["sample"] += time.perf_counter() - t3
-            return step
+            return step, None
         except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
-            self._fail_step(so, exc, touched)
-            return None
+            return None, (exc, True)
 
     def _complete(self, step: InFlightStep, touched: dict[str, ParentState]) -> None:
         """Wait for a launched step's sampled tokens, then update, emit and finish."""
@@ -279,12 +283,12 @@ class LLMEngine:
         finished = self.scheduler.update(so, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
         for rid, toks in sampled.items():
             seq = self._seqs.get(rid)
-            if seq is not None:
+            if seq is not None and seq is step.seqs.get(rid):  # not a new request reusing the id
                 self._emit_tokens(seq, toks)
                 touched[seq.parent_id] = self._parents[seq.parent_id]
         for req in finished:
             seq = self._seqs.get(req.request_id)
-            if seq is not None:
+            if seq is not None and seq.request is req:
                 self._finish_seq(seq, req)
                 touched[seq.parent_id] = self._parents[seq.parent_id]
         if self.spec is not None:
@@ -316,7 +320,7 @@ class LLMEngine:
                 plain.append(e)
                 plain_rows.append(row)
             row += n
-        step = InFlightStep(so, resolved)
+        step = InFlightStep(so, resolved, seqs={e.request_id: self._seqs.get(e.request_id) for e in entries})
         if plain:
             sub = logits if len(plain_rows) == logits.shape[0] else logits[host_tensor(plain_rows, logits.device)]
             gens = [self._seqs[e.request_id].generator for e in plain]
@@ -362,13 +366,15 @@ class LLMEngine:
             logger.error("ledger violation, failing step %d: %s", so.step_id, exc)
         else:
             self.scheduler.stats.step_errors += 1
-            logger.exception("engine step %d failed", so.step_id)
+            logger.error("engine step %d failed", so.step_id, exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"
         for req in self.scheduler.fail_step(so, msg, transfers_ran):
             if self.beams.owns(req.request_id):
                 self.beams.fail(req.request_id, msg)
                 continue
-            seq = self._seqs[req.request_id]
+            seq = self._seqs.get(req.request_id)
+            if seq is None:  # a beam whose group an earlier beam of this step already failed
+                continue
             self._finish_seq(seq, req)
             parent = self._parents[seq.parent_id]
             parent.error = msg

@@ -144,7 +144,7 @@ class Simulator:
         live = self._live.pop(req.request_id)
         rec = live.record
         rec.latency_s = now - rec.start_s
-        rec.completion_tokens = req.num_output_tokens
+        rec.completion_tokens = len(req.output_token_ids)  # placeholders of a failed in-flight step excluded
         rec.cached_tokens = max(req.num_cached_tokens, 0)
         rec.finish_reason = req.status.finish_reason
         if req.status == RequestStatus.FINISHED_ERROR:

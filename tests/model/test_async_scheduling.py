@@ -79,3 +79,45 @@ def test_beam_search_on_an_async_engine(model_dir):
     assert asyn.result == sync.result
     s = _stats(asyn)
     assert 0 < s["async_steps"] < s["steps"]  # plain requests overlapped, beam steps did not
+
+
+def test_reusing_an_aborted_id_while_its_step_is_in_flight(model_dir):
+    llm = LLM(model=model_dir, block_size=4, async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4, 5]}, params)
+    engine.step()
+    engine.step()  # the old "a" has a step in flight
+    engine.abort_request("a")
+    engine.add_request("a", {"prompt_token_ids": [9, 8, 7]}, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    ref = LLM(model=model_dir, block_size=4, async_scheduling=False).generate({"prompt_token_ids": [9, 8, 7]}, params)
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "length"]
+    assert outs[1].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    _stats(llm)
+
+
+def test_a_failed_step_after_a_stop_leaves_the_stop_alone(model_dir):
+    """The step after a stop token already holds the stopped request's row; if that step fails, the
+    request still ends "stop" with its stop token, as without async scheduling."""
+    free = LLM(model=model_dir, async_scheduling=False).generate(
+        PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    cut = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[cut]])
+    results = []
+    for async_sched in (False, True):
+        llm = LLM(model=model_dir, block_size=4, async_scheduling=async_sched)
+        steps = []
+
+        def fault(so, steps=steps):
+            steps.append(so.step_id)
+            if len(steps) == cut + 2:  # the step after the one that samples the stop token
+                raise RuntimeError("device fault")
+
+        llm.engine.fault_injector = fault
+        out = llm.generate(PROMPT, params)[0]
+        results.append((out.outputs[0].token_ids, out.outputs[0].finish_reason, out.error))
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    assert results[0] == results[1] == (free[: cut + 1], "stop", None)

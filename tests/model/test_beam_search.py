@@ -117,3 +117,22 @@ def test_beams_without_room_wait_or_fail_cleanly(tiny, monkeypatch, blocks, othe
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["ledger_violations"] == 0
     engine.scheduler.kv.check_integrity()
+
+
+def test_a_failed_step_with_two_beams_of_a_group_fails_the_group_once(tiny):
+    llm = LLM(model=tiny[0], block_size=4)
+    engine = llm.engine
+
+    def fault(so):
+        if sum("#" in e.request_id for e in so.requests) >= 2:
+            raise RuntimeError("device fault")
+
+    engine.fault_injector = fault
+    engine.add_beam_search_request("g", {"prompt_token_ids": [3, 4, 5, 6, 7]},
+                                   BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.beams.outputs.pop("g")
+    assert out.sequences == [] and "device fault" in out.error
+    s = llm.stats()
+    assert s["step_errors"] == 1 and s["num_free_blocks"] == s["num_total_blocks"]

@@ -132,3 +132,34 @@ def test_request_waits_a_step_for_a_prefix_block_being_computed():
     b = _entry(so3, "b")
     assert b.start_position == 8 and b.block_ids[:2] == so1.requests[0].block_ids[:2]
     assert s.stats.prefix_hit_tokens == 8
+
+
+def test_a_waiting_prefix_keeps_its_place_in_line():
+    """While the head of the queue waits for a prefix block, nothing behind it (here: a lower
+    priority request) is admitted in its place: the seat is still there for it next step."""
+    s = Scheduler(SchedulerConfig(64, 2, 128, True), CacheConfig(4, 64, True, False))
+    shared = list(range(20, 36))
+    r, w, low = _req("R", shared + [1], 30), _req("W", shared + [2, 3], 4), _req("LOW", [7] * 5, 40)
+    low.priority = 10
+    for q in (r, w, low):
+        s.add_request(q)
+    so1 = s.schedule()
+    assert [e.request_id for e in so1.requests] == ["R"] and s.stats.deferred_admissions == 1
+    s.update(so1, {"R": [5]})
+    so2 = s.schedule()
+    assert [e.request_id for e in so2.requests] == ["R", "W"] and _entry(so2, "W").start_position == 16
+
+
+def test_results_of_an_aborted_request_never_reach_a_new_one_with_its_id():
+    s = _sched()
+    old = _req("a", [1, 2, 3, 4, 5])
+    s.add_request(old)
+    so1 = s.schedule(async_scheduling=True)
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    new = _req("a", [9, 8, 7])
+    s.add_request(new)
+    so2 = s.schedule(async_scheduling=True)
+    assert s.update(so1, {"a": [42]}) == [] and new.all_token_ids == [9, 8, 7, PH]
+    s.update(so2, {"a": [43]})
+    assert new.output_token_ids == [43] and old.output_token_ids == []
+    s.kv.check_integrity()
