@@ -291,12 +291,12 @@ def test_async_step_launch_never_waits_for_the_device(tiny_dir):
     launch = engine._launch
     checked = []
 
-    def strict_launch(so, touched):
+    def strict_launch(so):
         if all(e.num_tokens == 1 for e in so.requests):  # decode steps (prefill may grow the allocator)
             checked.append(so.step_id)
             torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(so, touched)
+            return launch(so)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
