@@ -12,7 +12,7 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.core.sched_output import SchedulerOutput
 
 
-def _upload(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def upload_arrays(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Tensors of ``arrays`` (cast to ``dtype``) on ``device``. On CUDA they are packed into one
     pinned host buffer and moved by ONE non-blocking copy (views of it come back); the caching host
     allocator keeps the buffer alive until the copy has run. On the CPU: zero-copy ``from_numpy``."""
@@ -81,11 +81,11 @@ class ForwardBatch:
                 raise ValueError("the batch holds placeholder tokens but no in-flight step supplies them")
             fill_src = np.fromiter((placeholder_src[reqs[i].request_id] for i in req_of_row[fill_rows]),
                                    dtype=np.int64, count=fill_rows.size)
-        # one pinned host->device copy per dtype on CUDA (see _upload)
-        ids_t, positions_t, slots_t, sample_t, fill_rows_t, fill_src_t = _upload(
+        # one pinned host->device copy per dtype on CUDA (see upload_arrays)
+        ids_t, positions_t, slots_t, sample_t, fill_rows_t, fill_src_t = upload_arrays(
             [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64), fill_rows, fill_src],
             torch.int64, device)
-        cu_t, seq_lens_t, table_t = _upload([cu, seq_lens, table], torch.int32, device)
+        cu_t, seq_lens_t, table_t = upload_arrays([cu, seq_lens, table], torch.int32, device)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=cu_t,

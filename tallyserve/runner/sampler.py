@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
+from tallyserve.runner.forward_batch import upload_arrays
 from tallyserve.sampling_params import SamplingParams
 
 # q is clamped away from 0 so that p / q stays finite (p <= 1, so p / 1e-30 cannot overflow).
@@ -26,11 +28,8 @@ _MIN_EXPONENTIAL = 1e-30
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A small tensor of host values on ``device`` without waiting for the device. A plain
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronizes the stream,
-    which would stall async scheduling; this one is staged in pinned memory and copied non-blocking."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    which would stall async scheduling; this goes through the batch builder's pinned, non-blocking upload."""
+    return upload_arrays([np.asarray(values)], dtype, torch.device(device))[0]
 
 
 @dataclass
