@@ -54,6 +54,15 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def check_unicode(name: str, text: str) -> str:
+    """ValueError unless `text` is valid Unicode (no lone surrogates: they cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode: lone surrogate at index {exc.start}") from None
+    return text
+
+
 def _normalise_stop(stop: Any) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -66,6 +75,7 @@ def _normalise_stop(stop: Any) -> tuple[str, ...]:
             raise ValueError(f"stop[{i}] must be a string, got {s!r} ({type(s).__name__})")
         if not s:
             raise ValueError(f"stop[{i}] must be a non-empty string")
+        check_unicode(f"stop[{i}]", s)
     return tuple(stop)
 
 

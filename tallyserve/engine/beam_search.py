@@ -10,6 +10,8 @@ hypotheses scored cum_logprob / generated_len ** length_penalty; the best `width
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -20,7 +22,12 @@ from tallyserve.request import RequestStatus
 if TYPE_CHECKING:
     from tallyserve.core.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
+
 _NEG = -1.0e9
+# |length_penalty| bound: generated_len ** length_penalty stays a finite, non-zero float for any
+# length up to 2**64 (HF's typical values are 0-2; vLLM's default is 1).
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 class NoRoomForBeams(Exception):
@@ -43,8 +50,12 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.temperature != 0.0:
             raise ValueError("beam search is deterministic: temperature must be 0")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+            raise ValueError(f"length_penalty must be a number, got {lp!r}")
+        if not (math.isfinite(lp) and abs(lp) <= MAX_ABS_LENGTH_PENALTY):
+            raise ValueError(f"length_penalty must be a finite number in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                             f"{MAX_ABS_LENGTH_PENALTY:g}], got {lp}")
 
 
 @dataclass
@@ -82,6 +93,7 @@ class BeamGroup:
     num_generated: int = 0
     heuristic_open: bool = True
     done: bool = False
+    forked: list[str] = field(default_factory=list)  # forks of the reassign under way (freed on failure)
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def ready(self) -> bool:
@@ -156,7 +168,9 @@ class BeamGroup:
         for slot, (beam, tok, score) in enumerate(chosen):
             if first_slot[beam] != slot:
                 parent = self.running[beam]
-                child = scheduler.fork_request(parent.request_id, f"{self.group_id}#b{next(self._ids)}")
+                child_id = f"{self.group_id}#b{next(self._ids)}"
+                self.forked.append(child_id)
+                child = scheduler.fork_request(parent.request_id, child_id)
                 scheduler.append_token(child.request_id, tok)
                 new_running[slot] = _Beam(child.request_id, parent.generated + [tok], score)
         for beam, slot in first_slot.items():
@@ -168,6 +182,7 @@ class BeamGroup:
         scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
         self.running = new_running
         self.rows.clear()
+        self.forked.clear()
 
     def _finish(self, scheduler: "Scheduler") -> None:
         scheduler.finish_requests([b.request_id for b in self.running], RequestStatus.FINISHED_STOPPED)
@@ -237,6 +252,10 @@ class BeamSearchDriver:
                         self._end(group, RequestStatus.FINISHED_ERROR,
                                   "the KV cache has no free block for the beams; lower beam_width or add memory")
                     continue
+                except Exception as exc:  # noqa: BLE001 - one group's failure ends that group only
+                    logger.error("beam search group %s failed", gid, exc_info=exc)
+                    self._end(group, RequestStatus.FINISHED_ERROR, f"beam search failed: {type(exc).__name__}: {exc}")
+                    continue
                 for rid in before - {b.request_id for b in group.running}:
                     self._owner.pop(rid, None)
                 for b in group.running:
@@ -251,6 +270,11 @@ class BeamSearchDriver:
         if group is not None and group.group_id in self.groups:
             self._end(group, RequestStatus.FINISHED_ERROR, error)
 
+    def fail_all(self, error: str) -> None:
+        """End every running group with `error` (the engine's last-resort recovery)."""
+        for group in list(self.groups.values()):
+            self._end(group, RequestStatus.FINISHED_ERROR, error)
+
     def abort(self, group_id: str) -> bool:
         """End a running group (client gone, shutdown), freeing its blocks. False if unknown."""
         group = self.groups.get(group_id)
@@ -261,9 +285,10 @@ class BeamSearchDriver:
         return True
 
     def _end(self, group: BeamGroup, status: RequestStatus, error: Optional[str]) -> None:
-        ids = [b.request_id for b in group.running]
+        ids = [b.request_id for b in group.running if b is not None] + group.forked
         self.scheduler.finish_requests(ids, status)
         for rid in ids:
             self._owner.pop(rid, None)
+        group.forked.clear()
         del self.groups[group.group_id]
         self.outputs[group.group_id] = BeamSearchOutput(group.group_id, [], error)

@@ -30,13 +30,25 @@ from tallyserve.runner.model_runner import (
 )
 from tallyserve.runner.rejection_sampler import TokenSample, verify_drafts
 from tallyserve.runner.sampler import PendingSamplerOutput, Sampler, host_tensor
-from tallyserve.sampling_params import SamplingParams
+from tallyserve.sampling_params import SamplingParams, check_unicode
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict[str, Any]]
 TIMING_KEYS = ("schedule", "build", "forward", "sample", "wait", "update")
+
+
+class EngineFatalError(RuntimeError):
+    """The device or the engine's own invariants are broken: the loop must stop (and say why).
+    Nothing a request carries raises this; a request's failure ends only that request."""
+
+
+def _device_broken(exc: BaseException) -> bool:
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(exc, accel):
+        return True
+    return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "device-side assert" in str(exc))
 
 
 @dataclass
@@ -105,6 +117,8 @@ class LLMEngine:
         if self.async_scheduling is None:  # default: on where it overlaps something (CUDA)
             self.async_scheduling = self.device.type == "cuda" and self.spec is None
         self._inflight: Optional[InFlightStep] = None
+        self._active: list[SchedulerOutput] = []  # steps the current step() call scheduled or completes
+        self.current_step_tokens = 0  # tokens of the step being run now (0 between steps): for health
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = list(self.model_config.eos_token_ids)
@@ -126,7 +140,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_unicode("prompt", prompt))
             if not ids:
                 raise ValueError("prompt must not be empty")
             return prompt, ids
@@ -150,6 +164,14 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
+        max_n = self.config.scheduler_config.max_num_seqs
+        if params.n > max_n:
+            raise ValueError(f"n must be at most max_num_seqs ({max_n}): all n sequences of a request run "
+                             f"in one batch; got {params.n}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self.process_prompt(prompt)
@@ -194,7 +216,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of requests that progressed. With async
         scheduling the step returned is the previous one: this call schedules and launches the
-        next step first, so the host's work overlaps the device's."""
+        next step first, so the host's work overlaps the device's.
+
+        Nothing a request carries ends the loop: a failure inside a step fails only that step's
+        requests (or one request, for its own output processing). Only a broken device or a failed
+        KV-cache invariant raises, as EngineFatalError."""
+        self._active = []
+        try:
+            return self._step()
+        except EngineFatalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the last-resort guard
+            return self._recover(exc)
+        finally:
+            self.current_step_tokens = 0
+
+    def _step(self) -> list[RequestOutput]:
         if self.async_scheduling and not self.beams.groups:
             return self._step_async()
         if self._inflight is not None:  # going synchronous (a beam group arrived): drain first
@@ -204,7 +241,7 @@ class LLMEngine:
             self._inflight = None
             return outputs + self._collect_finished(touched)
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
+        so = self._schedule(async_scheduling=False)
         self.timings["schedule"] += time.perf_counter() - t0
         outputs, self._pending = self._pending, []
         if so.is_empty:
@@ -223,7 +260,7 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        so = self.scheduler.schedule(async_scheduling=True)
+        so = self._schedule(async_scheduling=True)
         self.timings["schedule"] += time.perf_counter() - t0
         outputs, self._pending = self._pending, []
         touched: dict[str, ParentState] = {}
@@ -240,6 +277,12 @@ class LLMEngine:
         if failure is not None:  # after the previous step's results: what stopped there stays stopped
             self._fail_step(so, failure[0], touched, transfers_ran=failure[1])
         return outputs + self._collect_finished(touched)
+
+    def _schedule(self, async_scheduling: bool) -> SchedulerOutput:
+        so = self.scheduler.schedule(async_scheduling=async_scheduling)
+        self._active.append(so)
+        self.current_step_tokens = so.total_tokens
+        return so
 
     def _launch(self, so: SchedulerOutput) -> tuple[Optional[InFlightStep], Optional[tuple[Exception, bool]]]:
         """Transfers, batch, forward and sampling of one step, queued on the device; the host
@@ -272,6 +315,7 @@ class LLMEngine:
     def _complete(self, step: InFlightStep, touched: dict[str, ParentState]) -> None:
         """Wait for a launched step's sampled tokens, then update, emit and finish."""
         t4 = time.perf_counter()
+        self._active.append(step.so)
         try:
             sampled = step.result()
         except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the copy
@@ -284,8 +328,12 @@ class LLMEngine:
         for rid, toks in sampled.items():
             seq = self._seqs.get(rid)
             if seq is not None and seq is step.seqs.get(rid):  # not a new request reusing the id
-                self._emit_tokens(seq, toks)
                 touched[seq.parent_id] = self._parents[seq.parent_id]
+                try:
+                    self._emit_tokens(seq, toks)
+                except Exception as exc:  # noqa: BLE001 - detokenizer, stop strings, logprobs: this request only
+                    logger.error("output processing of request %s failed", rid, exc_info=exc)
+                    self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
         for req in finished:
             seq = self._seqs.get(req.request_id)
             if seq is not None and seq.request is req:
@@ -349,19 +397,37 @@ class LLMEngine:
                         self.spec.forget(req.request_id)
                 return
 
-    def _finish_seq(self, seq: SequenceState, req: Request) -> None:
+    def _fail_seq(self, seq: SequenceState, msg: str) -> None:
+        """End one sequence with an error (its own output processing failed); its blocks are freed."""
+        req = seq.request
+        if not req.is_finished():
+            req.error = msg
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
+        self._finish_seq(seq, req, flush=False)
+        parent = self._parents.get(seq.parent_id)
+        if parent is not None:
+            parent.error = msg
+
+    def _finish_seq(self, seq: SequenceState, req: Request, flush: bool = True) -> None:
         if seq.finish_reason is not None:
             return
-        if not seq.detokenizer.finished:
-            seq.detokenizer.flush()
+        if flush and not seq.detokenizer.finished:
+            try:
+                seq.detokenizer.flush()
+            except Exception as exc:  # noqa: BLE001 - keep the text produced so far
+                logger.error("flushing the detokenizer of %s failed", req.request_id, exc_info=exc)
         seq.text = seq.detokenizer.text
         seq.finish_reason = req.status.finish_reason
         seq.stop_reason = req.stop_reason
         self._seqs.pop(req.request_id, None)
 
     def _fail_step(self, so: SchedulerOutput, exc: Exception, touched: dict[str, ParentState],
-                   transfers_ran: bool = True) -> None:
-        if isinstance(exc, ledger.LedgerError):
+                   transfers_ran: bool = True, count: bool = True) -> None:
+        if not count:
+            pass
+        elif isinstance(exc, ledger.LedgerError):
             self.scheduler.stats.ledger_violations += 1
             logger.error("ledger violation, failing step %d: %s", so.step_id, exc)
         else:
@@ -379,6 +445,44 @@ class LLMEngine:
             parent = self._parents[seq.parent_id]
             parent.error = msg
             touched[parent.request_id] = parent
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """An exception escaped a step: fail the requests of the steps it was handling (every
+        unfinished request when it came from scheduling itself), drop the in-flight step, and go
+        on if the KV cache's invariants still hold; otherwise EngineFatalError."""
+        if _device_broken(exc):
+            raise EngineFatalError(f"the device failed: {type(exc).__name__}: {exc}") from exc
+        self.scheduler.stats.step_errors += 1
+        logger.error("engine step failed outside its fault isolation; failing its requests", exc_info=exc)
+        msg = f"{type(exc).__name__}: {exc}"
+        outputs, self._pending = self._pending, []
+        touched: dict[str, ParentState] = {}
+        inflight, self._inflight = self._inflight, None
+        steps = list(self._active) + ([inflight.so] if inflight is not None else [])
+        try:
+            if not self._active:
+                raise exc  # not inside a known step: nobody can say which request caused it
+            for so in {id(s): s for s in steps}.values():
+                self._fail_step(so, exc, touched, count=False)
+        except Exception:  # noqa: BLE001 - fail everything that is still unfinished
+            self._fail_everything(msg, touched)
+        try:
+            self.scheduler.kv.release_step()
+            self.scheduler.kv.check_integrity()
+        except Exception as bad:  # noqa: BLE001
+            raise EngineFatalError(f"KV cache invariants broken after a failed step: {bad}") from exc
+        return outputs + self._collect_finished(touched)
+
+    def _fail_everything(self, msg: str, touched: dict[str, ParentState]) -> None:
+        self.beams.fail_all(msg)
+        for parent in list(self._parents.values()):
+            for seq in parent.children:
+                if seq.finish_reason is None:
+                    self._fail_seq(seq, msg)
+            parent.error = msg
+            touched[parent.request_id] = parent
+        leftover = [rid for rid in self.scheduler.requests]
+        self.scheduler.finish_requests(leftover, RequestStatus.FINISHED_ERROR)
 
     def _collect_finished(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
         """Outputs of the requests that progressed; only the finished ones when nobody streams."""

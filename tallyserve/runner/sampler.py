@@ -25,6 +25,9 @@ from tallyserve.sampling_params import SamplingParams
 _MIN_EXPONENTIAL = 1e-30
 
 
+MAX_TEMPERATURE = 1e30
+
+
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A small tensor of host values on ``device`` without waiting for the device. A plain
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronizes the stream,
@@ -208,12 +211,13 @@ class Sampler:
     ) -> torch.Tensor:
         device = logits.device
         sub = [params[i] for i in rows]
-        temps = host_tensor([p.temperature for p in sub], device, torch.float32)
+        # float32 holds up to ~3.4e38; any temperature past 1e30 already flattens every logit to 0.
+        temps = host_tensor([min(p.temperature, MAX_TEMPERATURE) for p in sub], device, torch.float32)
         scaled = logits[host_tensor(rows, device)] / temps.unsqueeze(1)
         top_k = top_p = min_p = max_top_k = None
         vocab = logits.shape[1]
         if any(0 < p.top_k < vocab for p in sub):
-            top_k = host_tensor([p.top_k for p in sub], device)
+            top_k = host_tensor([p.top_k if p.top_k < vocab else 0 for p in sub], device)  # >= V: off
             max_top_k = max(p.top_k for p in sub if 0 < p.top_k < vocab)
         if any(p.top_p < 1.0 for p in sub):
             top_p = host_tensor([p.top_p for p in sub], device, torch.float32)

@@ -78,6 +78,11 @@ def test_beam_search_bad_params():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
+    # Once these reached beam scoring, raised OverflowError there and killed the engine loop.
+    for lp in (1e308, 2000.0, -1e308, float("nan"), float("inf"), 10.5):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number in"):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=lp)
+    assert BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=-10.0).length_penalty == -10.0
 
 
 @pytest.mark.parametrize("blocks, other_prompt, expect_error", [(8, 22, False), (2, 0, True)])

@@ -106,3 +106,8 @@ def test_equal_params_hash_equal():
     a = SamplingParams(stop=["x"], stop_token_ids=[1])
     b = SamplingParams(stop="x", stop_token_ids=(1,))
     assert a == b and hash(a) == hash(b)
+
+
+def test_stop_strings_must_be_valid_unicode():
+    with pytest.raises(ValueError, match=r"stop\[1\] is not valid Unicode"):
+        SamplingParams(stop=["ok", "abc\ud800def"])
