@@ -248,7 +248,7 @@ def _table(results: dict) -> str:
             if hf[base].get("error"):
                 line += f" HF ERROR: {hf[base]['error']}"
         t = r["timings_s"]
-        parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "build", "forward", "sample", "wait", "update"))
+        parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "launch", "wait", "update"))
         line += (f"; ledger {'ok' if r['ledger_ok'] else 'VIOLATED'}; graphs {r['graph_replays']}"
                  f"; steps {r['stats'].get('steps')} (async {r['stats'].get('async_steps')}); t[s/b/f/s/w/u]={parts}")
         for kind, g in r.get("step_profile", {}).items():

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from tallyserve.core.kv_cache_manager import cdiv
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.sampling_params import SamplingParams
 
 
@@ -48,16 +47,14 @@ def _sync(device: torch.device) -> None:
 
 
 def time_step(engine, so: SchedulerOutput, repeats: int) -> float:
-    """Median seconds of build + forward + sample for one SchedulerOutput (after one warm-up)."""
-    runner, device = engine.runner, engine.device
-    params = [e.sampling_params for e in so.requests]
+    """Median seconds of build + forward + sample for one SchedulerOutput (after one warm-up),
+    through the engine's own executor: the same prepare and launch the engine core runs."""
+    executor, device = engine.executor, engine.device
     times = []
     for i in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        batch = ForwardBatch.build(so, runner.block_size, device)
-        logits = runner.execute(batch)
-        engine.sampler.sample(logits, params, [None] * len(params))
+        executor.launch(so, executor.prepare(so, None), None).result()
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)

@@ -84,6 +84,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Trailing PLACEHOLDER_TOKEN_IDs: tokens of in-flight steps, not sampled yet (async scheduling).
         self.num_output_placeholders = 0
+        # A beam of a beam search group: its rows return logprobs, the engine picks its tokens.
+        self.beam_search = False
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ class ScheduledRequest(NamedTuple):
     sampling_params: "SamplingParams"
     num_output_tokens: int  # tokens generated so far (seeds and min_tokens depend on it)
     num_draft_tokens: int = 0  # trailing token_ids that are drafts to verify (sample=True then)
+    beam_search: bool = False  # a beam: the runner returns its row's logprobs instead of sampling
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
@@ -52,6 +53,9 @@ class SchedulerOutput:
     # Scheduled before the previous step's results were in: requests were advanced at schedule
     # time and input tokens equal to PLACEHOLDER_TOKEN_ID come from that step's sampled tokens.
     async_scheduled: bool = False
+    # Requests that finished since the previous step: the runner drops their per-request state
+    # (seeded generators) before this step's rows, so a reused id starts fresh.
+    finished_request_ids: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -62,6 +62,7 @@ class Scheduler:
         # Async steps not updated yet: step id -> the Request of each entry (an id may be reused
         # by a new request once the old one ended; its results must not reach the new one).
         self._in_flight: dict[int, tuple[Request, ...]] = {}
+        self._finished_ids: list[str] = []  # finished since the last non-empty step (for the runner)
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -214,6 +215,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     num_output_tokens=req.num_output_tokens,
                     num_draft_tokens=len(drafts),
+                    beam_search=req.beam_search,
                 )
             )
             req.spec_token_ids = []
@@ -241,6 +243,7 @@ class Scheduler:
             preempted_request_ids=tuple(r.request_id for r in preempted),
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             async_scheduled=async_scheduling,
+            finished_request_ids=self._take_finished_ids() if entries else (),
         )
 
     # ----------------------------------------------------------------- results
@@ -345,6 +348,7 @@ class Scheduler:
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, max_tokens=parent.max_tokens,
                         eos_token_ids=parent.eos_token_ids, priority=parent.priority, arrival_time=parent.arrival_time)
         child.arrival_seq = parent.arrival_seq
+        child.beam_search = parent.beam_search
         child.all_token_ids = list(parent.all_token_ids)
         child.block_hashes = list(parent.block_hashes)
         if parent.status == RequestStatus.RUNNING:
@@ -405,7 +409,40 @@ class Scheduler:
             done.append(req)
         return done
 
+    def _take_finished_ids(self) -> tuple[str, ...]:
+        ids, self._finished_ids = tuple(self._finished_ids), []
+        return ids
+
+    def stop_request(self, req: Request, num_output_tokens: int, stop_reason: int | str | None) -> None:
+        """End a request the engine found stopped (a stop string) after ``num_output_tokens`` output
+        tokens: later tokens and placeholders are dropped; if it still runs, its blocks are freed."""
+        del req.all_token_ids[req.num_prompt_tokens + num_output_tokens:]
+        req.num_output_placeholders = 0
+        if not req.is_finished() and self.requests.get(req.request_id) is req:
+            req.stop_reason = stop_reason
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def check_integrity(self) -> None:
+        """After a failed step: release the step's pins, then walk the KV cache's invariants
+        (raises AssertionError if they are broken)."""
+        self.kv.release_step()
+        self.kv.check_integrity()
+
+    def snapshot(self) -> dict[str, int]:
+        """Read-only counters and gauges for stats(): the caller never touches the pool."""
+        kv, host = self.kv, self.kv.host
+        out: dict[str, int] = self.stats.as_dict()
+        out.update(
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks, num_running=self.num_running,
+            num_waiting=self.num_waiting, block_evictions=kv.pool.num_evictions,
+            num_host_blocks=host.num_blocks if host else 0, host_blocks_offloaded=host.num_offloaded if host else 0,
+            host_blocks_restored=self.stats.host_hit_tokens // kv.block_size,
+        )
+        return out
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._finished_ids.append(req.request_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

@@ -227,6 +227,7 @@ class BeamSearchDriver:
         sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
         root = Request(f"{group_id}#root", prompt_token_ids, sp, max_tokens=params.max_tokens,
                        eos_token_ids=self.eos_token_ids)
+        root.beam_search = True
         self.scheduler.add_request(root)
         group = BeamGroup(group_id, list(prompt_token_ids), params, self.eos_token_ids, [_Beam(root.request_id, [], 0.0)])
         self.groups[group_id] = group
@@ -235,8 +236,11 @@ class BeamSearchDriver:
     def owns(self, request_id: str) -> bool:
         return request_id in self._owner
 
-    def record(self, request_id: str, logits_row: torch.Tensor) -> None:
-        self._owner[request_id].rows[request_id] = torch.log_softmax(logits_row.float(), dim=-1).cpu()
+    def record(self, request_id: str, logprobs: torch.Tensor) -> None:
+        """A beam's next-token log-probabilities (the runner's log_softmax of its logits row)."""
+        group = self._owner.get(request_id)
+        if group is not None:
+            group.rows[request_id] = logprobs
 
     def after_step(self, progressed: bool = True) -> None:
         """Advance every group whose beams all reported. A group whose forks find no free block

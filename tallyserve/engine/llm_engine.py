@@ -1,42 +1,35 @@
-"""LLMEngine: add_request / abort_request / step(): schedule -> build -> run -> sample -> update."""
+"""LLMEngine: requests in, RequestOutputs out. The step loop itself is EngineCore's
+(schedule -> ledger check -> executor -> update); this class adds what users see on top of it:
+prompts and tokenization, n > 1, detokenization and stop strings, logprobs, beam search groups,
+speculative drafts, and the last-resort guard that keeps the loop alive."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from tallyserve.config import EngineArgs
-from tallyserve.core import ledger
-from tallyserve.core.scheduler import Scheduler
 from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.core.scheduler import Scheduler
 from tallyserve.engine.beam_search import BeamSearchDriver, BeamSearchParams
+from tallyserve.engine.core import EngineCore, StepResult
 from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
 from tallyserve.engine.spec_runner import SpecDecodeRunner
-from tallyserve.models.loader import load_model, resolve_model
+from tallyserve.executor.uniproc import UniProcExecutor
+from tallyserve.models.loader import resolve_model
 from tallyserve.outputs import RequestOutput
-from tallyserve.attention.backend import get_attn_backend
 from tallyserve.request import Request, RequestStatus
-from tallyserve.runner.forward_batch import ForwardBatch
-from tallyserve.runner.model_runner import (
-    ModelRunner,
-    determine_num_blocks,
-    num_host_blocks,
-    resolve_device,
-    resolve_dtype,
-)
-from tallyserve.runner.rejection_sampler import TokenSample, verify_drafts
-from tallyserve.runner.sampler import PendingSamplerOutput, Sampler, host_tensor
+from tallyserve.runner.model_runner import resolve_device, resolve_dtype
+from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams, check_unicode
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict[str, Any]]
-TIMING_KEYS = ("schedule", "build", "forward", "sample", "wait", "update")
 
 
 class EngineFatalError(RuntimeError):
@@ -49,26 +42,6 @@ def _device_broken(exc: BaseException) -> bool:
     if accel is not None and isinstance(exc, accel):
         return True
     return isinstance(exc, RuntimeError) and ("CUDA error" in str(exc) or "device-side assert" in str(exc))
-
-
-@dataclass
-class InFlightStep:
-    """A launched step whose sampled tokens may still be on the device."""
-
-    so: SchedulerOutput
-    resolved: dict[str, list[TokenSample]]  # rows sampled on the host (drafts verified)
-    seqs: dict[str, Optional[SequenceState]] = field(default_factory=dict)  # who sampled, by identity
-    token_ids: Optional[torch.Tensor] = None  # device tensor of the plain rows' tokens
-    token_index: dict[str, int] = field(default_factory=dict)  # request id -> row of token_ids
-    pending: Optional[PendingSamplerOutput] = None
-
-    def result(self) -> dict[str, list[TokenSample]]:
-        out = dict(self.resolved)
-        if self.pending is not None:
-            host = self.pending.result()
-            for rid, i in self.token_index.items():
-                out[rid] = [TokenSample(host.token_ids[i], host.logprobs[i], host.top_logprobs[i])]
-        return out
 
 
 class LLMEngine:
@@ -85,40 +58,48 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.served_model_name = args.served_model_name or resolved.served_name
         self.tokenizer: Optional[Tokenizer] = load_tokenizer(args.tokenizer or resolved.tokenizer_dir)
-        torch.manual_seed(args.seed)
-        model = load_model(resolved, args.load_format, self.dtype, self.device, args.seed,
-                           get_attn_backend("auto", self.device))
-        if self.device.type == "cuda":
-            model.enable_fused_kernels()  # fused add+RMSNorm, RoPE, SiLU-mul; TALLYSERVE_FUSED_KERNELS=0 turns off
-        num_blocks = determine_num_blocks(args, mc, self.device, self.dtype, model)
-        host_blocks = num_host_blocks(args, mc, self.dtype) if args.enable_prefix_caching else 0
-        self.config = args.resolve(mc, num_blocks, host_blocks)
         self.model_config = mc
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        self.scheduler = Scheduler(sc, cc)
-        self.runner = ModelRunner(model, mc, num_blocks, cc.block_size, self.device, self.dtype, host_blocks,
-                                  use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
-                                  max_model_len=sc.max_model_len)
-        self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(args.seed))
         self.eos_token_ids = self._eos_ids()
-        self.spec = SpecDecodeRunner.create(args, self, num_blocks) if args.speculative_config else None
+        torch.manual_seed(args.seed)
+        self.executor, self.config = UniProcExecutor.create(args, resolved, self.device, self.dtype,
+                                                            self.eos_token_ids)
+        self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.spec = None
+        if args.speculative_config:
+            self.spec = SpecDecodeRunner.create(args, self.scheduler, mc, self.device, self.dtype,
+                                                self.config.cache_config.num_blocks)
+        self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec)
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
         self._parents: dict[str, ParentState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
-        self.timings = {k: 0.0 for k in TIMING_KEYS}
         # Offline callers that only want finished outputs skip building the rest every step.
         self.final_outputs_only = False
-        # Test hook: called with each SchedulerOutput before the forward pass (may raise).
-        self.fault_injector: Optional[Callable[[SchedulerOutput], None]] = None
         # Async scheduling: the next step is scheduled and launched before this one's tokens are
         # read back (not with speculative decoding; beam groups run synchronously).
         self.async_scheduling = args.async_scheduling
         if self.async_scheduling is None:  # default: on where it overlaps something (CUDA)
-            self.async_scheduling = self.device.type == "cuda" and self.spec is None
-        self._inflight: Optional[InFlightStep] = None
-        self._active: list[SchedulerOutput] = []  # steps the current step() call scheduled or completes
-        self.current_step_tokens = 0  # tokens of the step being run now (0 between steps): for health
+            self.async_scheduling = self.executor.overlaps_host and self.spec is None
+
+    @property
+    def fault_injector(self) -> Optional[Callable[[SchedulerOutput], None]]:
+        """Test hook: called with each SchedulerOutput before the forward pass (may raise)."""
+        return self.core.fault_injector
+
+    @fault_injector.setter
+    def fault_injector(self, fn: Optional[Callable[[SchedulerOutput], None]]) -> None:
+        self.core.fault_injector = fn
+
+    @property
+    def current_step_tokens(self) -> int:
+        """Tokens of the step being run now (0 between steps): what health predicts its time from."""
+        so = self.core.last_so
+        return so.total_tokens if so is not None and self.core.active else 0
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.core.timings
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = list(self.model_config.eos_token_ids)
@@ -185,10 +166,7 @@ class LLMEngine:
             child_params = params if (i == 0 or params.seed is None) else params.clone(seed=params.seed + i)
             req = Request(child_id, ids, child_params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                           priority=priority, arrival_time=arrival_time)
-            gen = None
-            if child_params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(child_params.seed)
-            seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req), gen)
+            seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req))
             parent.children.append(seq)
         for seq in parent.children:
             self.scheduler.add_request(seq.request)
@@ -206,7 +184,7 @@ class LLMEngine:
             self._pending.append(self._pop_if_finished(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self._inflight is not None
+        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self.core.has_inflight()
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
         _, ids = self.process_prompt(prompt)
@@ -221,7 +199,6 @@ class LLMEngine:
         Nothing a request carries ends the loop: a failure inside a step fails only that step's
         requests (or one request, for its own output processing). Only a broken device or a failed
         KV-cache invariant raises, as EngineFatalError."""
-        self._active = []
         try:
             return self._step()
         except EngineFatalError:
@@ -229,154 +206,57 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - the last-resort guard
             return self._recover(exc)
         finally:
-            self.current_step_tokens = 0
+            self.core.active = []
 
     def _step(self) -> list[RequestOutput]:
-        if self.async_scheduling and not self.beams.groups:
-            return self._step_async()
-        if self._inflight is not None:  # going synchronous (a beam group arrived): drain first
-            outputs, self._pending = self._pending, []
-            touched: dict[str, ParentState] = {}
-            self._complete(self._inflight, touched)
-            self._inflight = None
-            return outputs + self._collect_finished(touched)
-        t0 = time.perf_counter()
-        so = self._schedule(async_scheduling=False)
-        self.timings["schedule"] += time.perf_counter() - t0
+        use_async = self.async_scheduling and not self.beams.groups  # beam groups step synchronously
         outputs, self._pending = self._pending, []
-        if so.is_empty:
-            if so.kv_transfers:  # e.g. copy-on-write of forked beams queued since the last step
-                self.runner.apply_transfers(so.kv_transfers)
-                self.scheduler.update(so, {})
-            self.beams.after_step(progressed=False)
-            return outputs
-        touched = {}
-        launched, failure = self._launch(so)
-        if failure is not None:
-            self._fail_step(so, failure[0], touched, transfers_ran=failure[1])
-        else:
-            self._complete(launched, touched)
-        return outputs + self._collect_finished(touched)
-
-    def _step_async(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        so = self._schedule(async_scheduling=True)
-        self.timings["schedule"] += time.perf_counter() - t0
-        outputs, self._pending = self._pending, []
+        results = self.core.step(async_scheduling=use_async)
         touched: dict[str, ParentState] = {}
-        launched, failure = None, None
-        if not so.is_empty:
-            launched, failure = self._launch(so)
-        elif so.kv_transfers:
-            self.runner.apply_transfers(so.kv_transfers)
-        prev, self._inflight = self._inflight, launched
-        if prev is not None:
-            self._complete(prev, touched)
-        elif so.is_empty and so.kv_transfers:
-            self.scheduler.update(so, {})
-        if failure is not None:  # after the previous step's results: what stopped there stays stopped
-            self._fail_step(so, failure[0], touched, transfers_ran=failure[1])
+        for result in results:
+            self._process(result, touched)
+        if not results and not use_async:
+            self.beams.after_step(progressed=False)
         return outputs + self._collect_finished(touched)
 
-    def _schedule(self, async_scheduling: bool) -> SchedulerOutput:
-        so = self.scheduler.schedule(async_scheduling=async_scheduling)
-        self._active.append(so)
-        self.current_step_tokens = so.total_tokens
-        return so
-
-    def _launch(self, so: SchedulerOutput) -> tuple[Optional[InFlightStep], Optional[tuple[Exception, bool]]]:
-        """Transfers, batch, forward and sampling of one step, queued on the device; the host
-        results come from ``_complete``. On failure: (None, (exception, whether the transfers ran));
-        the caller fails this step's requests (only its own: one failed step never ends the loop)."""
-        t1 = time.perf_counter()
-        try:
-            self.runner.apply_transfers(so.kv_transfers)
-        except Exception as exc:  # noqa: BLE001 - the promised host copies never happened
-            return None, (exc, False)
-        prev = self._inflight
-        try:
-            batch = ForwardBatch.build(so, self.runner.block_size, self.device,
-                                       prev.token_index if prev is not None else None)
-            self.scheduler.stats.forward_tokens += batch.num_tokens
-            ledger.check_step(so.total_tokens, batch.num_tokens, so.max_num_batched_tokens)
-            t2 = time.perf_counter()
-            self.timings["build"] += t2 - t1
-            if self.fault_injector is not None:
-                self.fault_injector(so)
-            logits = self.runner.execute(batch, prev.token_ids if prev is not None else None)
-            t3 = time.perf_counter()
-            self.timings["forward"] += t3 - t2
-            step = self._sample(so, logits)
-            self.timings["sample"] += time.perf_counter() - t3
-            return step, None
-        except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
-            return None, (exc, True)
-
-    def _complete(self, step: InFlightStep, touched: dict[str, ParentState]) -> None:
-        """Wait for a launched step's sampled tokens, then update, emit and finish."""
-        t4 = time.perf_counter()
-        self._active.append(step.so)
-        try:
-            sampled = step.result()
-        except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the copy
-            self._fail_step(step.so, exc, touched)
+    def _process(self, result: StepResult, touched: dict[str, ParentState]) -> None:
+        """Emit a finished step's tokens, finish what stopped, and advance beams and drafts."""
+        if result.output is None:
+            self._process_failure(result, touched)
             return
-        t5 = time.perf_counter()
-        self.timings["wait"] += t5 - t4
-        so = step.so
-        finished = self.scheduler.update(so, {rid: [t.token_id for t in toks] for rid, toks in sampled.items()})
-        for rid, toks in sampled.items():
+        for rid, logprobs in result.output.beam_logprobs.items():
+            self.beams.record(rid, logprobs)
+        for rid, toks in result.output.sampled.items():
             seq = self._seqs.get(rid)
-            if seq is not None and seq is step.seqs.get(rid):  # not a new request reusing the id
+            if seq is not None and seq.request is result.scheduled.get(rid):  # not a new request reusing the id
                 touched[seq.parent_id] = self._parents[seq.parent_id]
                 try:
                     self._emit_tokens(seq, toks)
                 except Exception as exc:  # noqa: BLE001 - detokenizer, stop strings, logprobs: this request only
                     logger.error("output processing of request %s failed", rid, exc_info=exc)
                     self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
-        for req in finished:
+        for req in result.finished:
             seq = self._seqs.get(req.request_id)
             if seq is not None and seq.request is req:
                 self._finish_seq(seq, req)
                 touched[seq.parent_id] = self._parents[seq.parent_id]
         if self.spec is not None:
-            self.spec.after_step(so, finished)
+            self.spec.after_step(result.so, result.finished)
         self.beams.after_step()
-        self.timings["update"] += time.perf_counter() - t5
 
-    @torch.inference_mode()  # the logits are inference tensors; min_tokens bans edit them in place
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> InFlightStep:
-        """Queue the sampling of a step's logits. Plain rows stay on the device (their tokens feed
-        the next async step); beam rows and draft verification are resolved here, on the host."""
-        entries = [e for e in so.requests if e.sample]
-        row, plain, plain_rows, resolved = 0, [], [], {}
-        for e in entries:
-            n = e.num_sample_rows
-            if self.beams.owns(e.request_id):  # beam search picks tokens per group, after the step
-                self.beams.record(e.request_id, logits[row])
-                row += n
+    def _process_failure(self, result: StepResult, touched: dict[str, ParentState]) -> None:
+        msg = f"{type(result.error).__name__}: {result.error}"
+        for req in result.failed:
+            if self.beams.owns(req.request_id):
+                self.beams.fail(req.request_id, msg)
                 continue
-            if e.num_output_tokens < e.sampling_params.min_tokens:
-                banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
-                if banned:
-                    logits[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
-            if e.num_draft_tokens:
-                gen = self._seqs[e.request_id].generator or self.sampler._shared_generator(logits.device)
-                q = self.spec.draft_probs(e.request_id, e.num_draft_tokens)
-                resolved[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params, gen, q)
-            else:
-                plain.append(e)
-                plain_rows.append(row)
-            row += n
-        step = InFlightStep(so, resolved, seqs={e.request_id: self._seqs.get(e.request_id) for e in entries})
-        if plain:
-            sub = logits if len(plain_rows) == logits.shape[0] else logits[host_tensor(plain_rows, logits.device)]
-            gens = [self._seqs[e.request_id].generator for e in plain]
-            tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens)
-            step.token_ids = tensors.token_ids
-            step.token_index = {e.request_id: i for i, e in enumerate(plain)}
-            step.pending = tensors.to_host()
-        return step
+            seq = self._seqs.get(req.request_id)
+            if seq is None:  # a beam whose group an earlier beam of this step already failed
+                continue
+            self._finish_seq(seq, req)
+            parent = self._parents[seq.parent_id]
+            parent.error = msg
+            touched[parent.request_id] = parent
 
     def _emit_tokens(self, seq: SequenceState, samples: list[TokenSample]) -> None:
         """Logprobs and stop-safe text for the tokens the scheduler appended this step."""
@@ -387,11 +267,9 @@ class LLMEngine:
             seq.num_emitted += 1
             seq.text += seq.detokenizer.update([token])  # stop-safe text only
             if seq.detokenizer.finished:
-                del req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:]
-                req.num_output_placeholders = 0
-                if not req.is_finished():
-                    req.stop_reason = seq.detokenizer.stop_reason
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                was_finished = req.is_finished()
+                self.scheduler.stop_request(req, seq.num_emitted, seq.detokenizer.stop_reason)
+                if not was_finished:
                     self._finish_seq(seq, req)
                     if self.spec is not None:
                         self.spec.forget(req.request_id)
@@ -423,29 +301,6 @@ class LLMEngine:
         seq.stop_reason = req.stop_reason
         self._seqs.pop(req.request_id, None)
 
-    def _fail_step(self, so: SchedulerOutput, exc: Exception, touched: dict[str, ParentState],
-                   transfers_ran: bool = True, count: bool = True) -> None:
-        if not count:
-            pass
-        elif isinstance(exc, ledger.LedgerError):
-            self.scheduler.stats.ledger_violations += 1
-            logger.error("ledger violation, failing step %d: %s", so.step_id, exc)
-        else:
-            self.scheduler.stats.step_errors += 1
-            logger.error("engine step %d failed", so.step_id, exc_info=exc)
-        msg = f"{type(exc).__name__}: {exc}"
-        for req in self.scheduler.fail_step(so, msg, transfers_ran):
-            if self.beams.owns(req.request_id):
-                self.beams.fail(req.request_id, msg)
-                continue
-            seq = self._seqs.get(req.request_id)
-            if seq is None:  # a beam whose group an earlier beam of this step already failed
-                continue
-            self._finish_seq(seq, req)
-            parent = self._parents[seq.parent_id]
-            parent.error = msg
-            touched[parent.request_id] = parent
-
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """An exception escaped a step: fail the requests of the steps it was handling (every
         unfinished request when it came from scheduling itself), drop the in-flight step, and go
@@ -457,18 +312,15 @@ class LLMEngine:
         msg = f"{type(exc).__name__}: {exc}"
         outputs, self._pending = self._pending, []
         touched: dict[str, ParentState] = {}
-        inflight, self._inflight = self._inflight, None
-        steps = list(self._active) + ([inflight.so] if inflight is not None else [])
         try:
-            if not self._active:
+            if not self.core.active:
                 raise exc  # not inside a known step: nobody can say which request caused it
-            for so in {id(s): s for s in steps}.values():
-                self._fail_step(so, exc, touched, count=False)
+            for result in self.core.fail_active(exc):
+                self._process_failure(result, touched)
         except Exception:  # noqa: BLE001 - fail everything that is still unfinished
             self._fail_everything(msg, touched)
         try:
-            self.scheduler.kv.release_step()
-            self.scheduler.kv.check_integrity()
+            self.scheduler.check_integrity()
         except Exception as bad:  # noqa: BLE001
             raise EngineFatalError(f"KV cache invariants broken after a failed step: {bad}") from exc
         return outputs + self._collect_finished(touched)
@@ -498,28 +350,16 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler
-        out: dict[str, Any] = s.stats.as_dict()
-        out.update(
-            num_free_blocks=s.kv.num_free_blocks,
-            num_total_blocks=s.kv.num_total_blocks,
-            num_cached_blocks=s.kv.pool.num_cached_blocks,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            block_evictions=s.kv.pool.num_evictions,
-        )
-        host = s.kv.host
-        out.update(
-            num_host_blocks=host.num_blocks if host else 0,
-            host_blocks_offloaded=host.num_offloaded if host else 0,
-            host_blocks_restored=self.scheduler.stats.host_hit_tokens // s.kv.block_size,
-            kv_bytes_moved=self.runner.bytes_moved,
-        )
+        out: dict[str, Any] = self.scheduler.snapshot()
         st = self.scheduler.stats
         out.update(
+            kv_bytes_moved=self.executor.bytes_moved,
             spec_acceptance_rate=st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0,
             spec_mean_tokens_per_step=(st.spec_accepted + st.spec_verify_steps) / st.spec_verify_steps
             if st.spec_verify_steps else 0.0,
         )
-        out["timings_s"] = dict(self.timings)
+        out["timings_s"] = dict(self.core.timings)
         return out
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from tallyserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tallyserve.request import Request
 from tallyserve.runner.rejection_sampler import TokenSample
@@ -22,7 +20,6 @@ class SequenceState:
     index: int
     parent_id: str
     detokenizer: IncrementalDetokenizer
-    generator: Optional[torch.Generator]
     text: str = ""
     logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: float = 0.0

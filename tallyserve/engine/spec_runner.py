@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.engine.core import DraftSource
 from tallyserve.request import Request, RequestStatus
 from tallyserve.spec_decode.config import SpeculativeConfig
 from tallyserve.spec_decode.draft_model import DraftModelProposer, DraftRequest
@@ -18,37 +19,52 @@ from tallyserve.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from tallyserve.config import EngineArgs
-    from tallyserve.engine.llm_engine import LLMEngine
+    from tallyserve.core.scheduler import Scheduler
+    from tallyserve.models.model_config import ModelConfig
 
 
-class SpecDecodeRunner:
-    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine",
+class SpecDecodeRunner(DraftSource):
+    """Proposes drafts after each step (through the scheduler it is given) and hands the engine
+    core the proposal distributions of the drafts a step verifies."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler: "Scheduler",
                  ngram: Optional[NgramProposer], draft: Optional[DraftModelProposer]) -> None:
         self.config = config
-        self.engine = engine
+        self.scheduler = scheduler
         self.ngram = ngram
         self.draft = draft
         self._probs: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def create(cls, args: "EngineArgs", engine: "LLMEngine", num_blocks: int) -> "SpecDecodeRunner":
+    def create(cls, args: "EngineArgs", scheduler: "Scheduler", target: "ModelConfig", device: torch.device,
+               dtype: torch.dtype, num_blocks: int) -> "SpecDecodeRunner":
         cfg: SpeculativeConfig = args.speculative_config
         if cfg.method == "ngram":
-            return cls(cfg, engine, NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
-                                                  cfg.prompt_lookup_max), None)
+            return cls(cfg, scheduler, NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                                     cfg.prompt_lookup_max), None)
         from tallyserve.attention.backend import get_attn_backend
         from tallyserve.models.loader import load_model, resolve_model
 
         resolved = resolve_model(cfg.model, "auto")
-        if resolved.model_config.vocab_size != engine.model_config.vocab_size:
+        if resolved.model_config.vocab_size != target.vocab_size:
             raise ValueError(
                 f"the draft model's vocab_size ({resolved.model_config.vocab_size}) differs from the "
-                f"target's ({engine.model_config.vocab_size}); they must share a tokenizer"
+                f"target's ({target.vocab_size}); they must share a tokenizer"
             )
-        model = load_model(resolved, "auto", engine.dtype, engine.device, args.seed, get_attn_backend("torch"))
-        proposer = DraftModelProposer(model, num_blocks, engine.config.cache_config.block_size, engine.device,
-                                      engine.dtype, cfg.num_speculative_tokens, args.seed)
-        return cls(cfg, engine, None, proposer)
+        model = load_model(resolved, "auto", dtype, device, args.seed, get_attn_backend("torch"))
+        proposer = DraftModelProposer(model, num_blocks, args.block_size, device, dtype, cfg.num_speculative_tokens,
+                                      args.seed)
+        return cls(cfg, scheduler, None, proposer)
+
+    def draft_probs_for(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Proposal distributions of the drafts ``so`` verifies (none for n-grams: point masses)."""
+        out = {}
+        for e in so.requests:
+            if e.num_draft_tokens:
+                probs = self.draft_probs(e.request_id, e.num_draft_tokens)
+                if probs is not None:
+                    out[e.request_id] = probs
+        return out
 
     def draft_probs(self, request_id: str, num_drafts: int) -> Optional[torch.Tensor]:
         """Proposal distributions of the drafts being verified (None: point masses, as for n-grams)."""
@@ -65,7 +81,7 @@ class SpecDecodeRunner:
             self.forget(rid)
         for req in finished:
             self.forget(req.request_id)
-        sched = self.engine.scheduler
+        sched = self.scheduler
         ready = []
         for entry in so.requests:
             req = sched.requests.get(entry.request_id)

@@ -13,7 +13,11 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.model_config import ModelConfig
+from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
+from tallyserve.runner.outputs import AsyncModelRunnerOutput
+from tallyserve.runner.rejection_sampler import verify_drafts
+from tallyserve.runner.sampler import Sampler, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +141,14 @@ def num_host_blocks(args: EngineArgs, model_config: ModelConfig, dtype: torch.dt
 
 
 class ModelRunner:
+    """The model, its paged KV cache and the sampler of one device (one tensor-parallel rank).
+    A step: ``prepare`` builds the ForwardBatch of a frozen SchedulerOutput, ``launch`` queues
+    the forward pass and the sampling on the device and returns an AsyncModelRunnerOutput."""
+
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0, *,
-                 use_cuda_graph: bool = False, max_num_seqs: int = 256, max_model_len: Optional[int] = None) -> None:
+                 use_cuda_graph: bool = False, max_num_seqs: int = 256, max_model_len: Optional[int] = None,
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -155,6 +164,9 @@ class ModelRunner:
             self.host_kv_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
         self.bytes_per_block = kv_bytes_per_block(model_config, block_size, dtype)
         self.bytes_moved = 0
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(generator=torch.Generator(device=device).manual_seed(seed))
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
@@ -201,3 +213,62 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    # ----------------------------------------------------------------- one step
+    def prepare(self, so: SchedulerOutput, prev: Optional[AsyncModelRunnerOutput] = None) -> ForwardBatch:
+        """The batch of a step; placeholder rows point at ``prev``'s sampled tokens."""
+        for rid in so.finished_request_ids:
+            self._generators.pop(rid, None)
+        return ForwardBatch.build(so, self.block_size, self.device, prev.token_index if prev is not None else None)
+
+    def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
+               draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
+        """Forward and sampling of a prepared step, queued on the device (nothing waits for it)."""
+        logits = self.execute(batch, prev.token_ids if prev is not None else None)
+        return self.sample(so, logits, batch.num_tokens, draft_probs or {})
+
+    def _generator(self, e: ScheduledRequest) -> Optional[torch.Generator]:
+        seed = e.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(e.request_id)
+        if gen is None:
+            gen = self._generators[e.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
+
+    @torch.inference_mode()  # the logits are inference tensors; min_tokens bans edit them in place
+    def sample(self, so: SchedulerOutput, logits: torch.Tensor, num_forward_tokens: int,
+               draft_probs: dict[str, torch.Tensor]) -> AsyncModelRunnerOutput:
+        """Queue the sampling of a step's logits. Plain rows stay on the device (their tokens feed
+        the next async step); beam rows and draft verification are resolved here, on the host."""
+        step = AsyncModelRunnerOutput(num_forward_tokens)
+        row, plain, plain_rows, gens = 0, [], [], []
+        for e in so.requests:
+            if not e.sample:
+                continue
+            n = e.num_sample_rows
+            if e.beam_search:  # beam search picks tokens per group, in the engine, after the step
+                step.beam_logprobs[e.request_id] = torch.log_softmax(logits[row].float(), dim=-1).cpu()
+                row += n
+                continue
+            if e.num_output_tokens < e.sampling_params.min_tokens:
+                banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
+                if banned:
+                    logits[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
+            gen = self._generator(e)
+            if e.num_draft_tokens:
+                gen = gen or self.sampler._shared_generator(logits.device)
+                step.resolved[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params,
+                                                            gen, draft_probs.get(e.request_id))
+            else:
+                plain.append(e)
+                plain_rows.append(row)
+                gens.append(gen)
+            row += n
+        if plain:
+            sub = logits if len(plain_rows) == logits.shape[0] else logits[host_tensor(plain_rows, logits.device)]
+            tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens)
+            step.token_ids = tensors.token_ids
+            step.token_index = {e.request_id: i for i, e in enumerate(plain)}
+            step.pending = tensors.to_host()
+        return step

@@ -17,7 +17,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
 from tqdm.auto import tqdm
 
 from tallyserve.bench.metrics import RequestRecord
@@ -25,11 +24,13 @@ from tallyserve.bench.workloads import RequestSpec, Workload
 from tallyserve.config import EngineConfig
 from tallyserve.core import ledger
 from tallyserve.core.scheduler import Scheduler
+from tallyserve.engine.core import EngineCore, StepResult
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.request import Request, RequestStatus
-from tallyserve.runner.forward_batch import ForwardBatch
+from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.sim.cost_model import StepShape
+from tallyserve.sim.executor import CostModelExecutor
 from tallyserve.sim.tokens import ConversationTokens, SimTokenizer
 
 
@@ -87,6 +88,7 @@ class Simulator:
         self.integrity_checks = 0
         self.violations: list[str] = []
         self.steps: list[tuple] = []
+        self._step_end: dict[int, float] = {}  # step id -> virtual time its forward pass ended
         mode = self.opts.async_scheduling
         self.async_scheduling = mode if mode is not None else config.args.async_scheduling is not False
 
@@ -155,66 +157,45 @@ class Simulator:
         self._advance(live.conv, now)
 
     # ----------------------------------------------------------------- one step
-    def _forward_tokens(self, so: SchedulerOutput) -> int:
-        """What the forward pass would compute: the real batch, or the same count from the rows."""
-        if self.opts.build_batches:  # placeholder rows would read the previous step's tokens
-            src = {e.request_id: 0 for e in so.requests}
-            return ForwardBatch.build(so, self.config.cache_config.block_size, torch.device("cpu"), src).num_tokens
-        reqs = self.scheduler.requests
-        total = 0
-        for e in so.requests:
-            req = reqs[e.request_id]
-            computed, num_tokens = req.num_computed_tokens, req.num_tokens
-            if so.async_scheduled:  # the scheduler already advanced it (and added a placeholder)
-                computed, num_tokens = computed - e.num_tokens, num_tokens - e.sample
-            if e.start_position != computed or e.num_tokens > ledger.query_tokens(
-                    num_tokens, e.start_position, e.num_draft_tokens):
-                raise ledger.LedgerError(f"{e.request_id}: row computes {e.num_tokens} tokens from position "
-                                         f"{e.start_position}, request has {req.num_computed_tokens}/{req.num_tokens}")
-            total += len(e.token_ids)
-        return total
-
-    def _step(self, so: SchedulerOutput) -> Optional[tuple[SchedulerOutput, dict[str, list[int]], float]]:
-        """Run one step on the virtual clock; returns what ``update`` needs (None: it failed)."""
-        sched = self.scheduler
-        try:
-            fwd = self._forward_tokens(so)
-            sched.stats.forward_tokens += fwd
-            ledger.check_step(so.total_tokens, fwd, so.max_num_batched_tokens)
-        except ledger.LedgerError as exc:
-            sched.stats.ledger_violations += 1
-            self.violations.append(f"step {so.step_id}: {exc}")
-            for req in sched.fail_step(so, f"LedgerError: {exc}"):
-                self._complete(req)
-            return None
+    def _record_step(self, so: SchedulerOutput) -> float:
+        """Price a launched step on the virtual clock; returns when it ends."""
         dt = self.cost.step_time(StepShape.of(so))
         self.now += dt
         self.busy_s += dt
+        self._step_end[so.step_id] = self.now
         if self.opts.record_steps:
             self.steps.append((tuple((e.request_id, len(e.token_ids), e.start_position) for e in so.requests),
                                so.kv_transfers))
-        sampled: dict[str, list[int]] = {}
-        token_fn, live, now = self.opts.token_fn, self._live, self.now
+        kv = self.scheduler.kv
+        self.peak_blocks = max(self.peak_blocks, kv.num_total_blocks - kv.num_free_blocks)
+        return self.now
+
+    def _sample(self, so: SchedulerOutput, now: float) -> dict[str, list[TokenSample]]:
+        """Synthetic tokens for the rows that sample (first-token and chunk times recorded)."""
+        sampled: dict[str, list[TokenSample]] = {}
+        token_fn, live = self.opts.token_fn, self._live
         for e in so.requests:
             if e.sample:
                 lv = live[e.request_id]
                 idx = e.num_output_tokens
                 tok = token_fn(e.request_id, idx) if token_fn else self.tok.synthetic_token(lv.seed, idx)
-                sampled[e.request_id] = [tok]
+                sampled[e.request_id] = [TokenSample(tok, 0.0, None)]
                 times = lv.record.chunk_times_s
                 if not times:
                     lv.record.ttft_s = now - lv.record.start_s
                 times.append(now)
-        used = sched.kv.num_total_blocks - sched.kv.num_free_blocks
-        if used > self.peak_blocks:
-            self.peak_blocks = used
-        return so, sampled, now
+        return sampled
 
-    def _update(self, done: Optional[tuple[SchedulerOutput, dict[str, list[int]], float]]) -> None:
-        if done is not None:
-            so, sampled, ended = done
-            for req in self.scheduler.update(so, sampled):
-                self._complete(req, ended)
+    def _on_result(self, result: StepResult) -> None:
+        ended = self._step_end.pop(result.so.step_id, self.now)
+        if result.output is None:
+            if isinstance(result.error, ledger.LedgerError):
+                self.violations.append(f"step {result.so.step_id}: {result.error}")
+            for req in result.failed:
+                self._complete(req)
+            return
+        for req in result.finished:
+            self._complete(req, ended)
 
     # ----------------------------------------------------------------- the loop
     def _setup(self, workload: Workload) -> None:
@@ -250,24 +231,23 @@ class Simulator:
         sched = self.scheduler
         self._next_check_wall = 0.0
         self._bar = tqdm(total=len(workload), desc="simulate", unit="req", disable=not self.opts.progress)
-        n_steps, in_flight = 0, None
+        n_steps = 0
+        core = EngineCore(sched, CostModelExecutor(self))
         try:
             while True:
                 self._release_arrivals()
-                if not sched.has_unfinished_requests() and in_flight is None:
+                if not sched.has_unfinished_requests() and not core.has_inflight():
                     if not self._arrivals:
                         break
                     self.now = max(self.now, self._arrivals[0][0])
                     continue
-                so = sched.schedule(async_scheduling=self.async_scheduling)
-                if so.is_empty and in_flight is None:
+                results = core.step(async_scheduling=self.async_scheduling)
+                if core.last_so.is_empty and not core.has_inflight() and not results:
                     raise SimulationError(
                         f"nothing schedulable at t={self.now:.3f}s with {sched.num_waiting} waiting and "
                         f"{sched.num_running} running requests: a prompt needs more KV blocks than the pool has")
-                done = None if so.is_empty else self._step(so)
-                if self.async_scheduling:  # the previous step's tokens arrive after this one was scheduled
-                    done, in_flight = in_flight, done
-                self._update(done)
+                for result in results:
+                    self._on_result(result)
                 n_steps += 1
                 if self._integrity_due(n_steps):
                     self._check_integrity()

@@ -288,19 +288,19 @@ def test_async_step_launch_never_waits_for_the_device(tiny_dir):
 
     llm = LLM(model=tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, block_size=4, async_scheduling=True)
     engine = llm.engine
-    launch = engine._launch
+    launch = engine.core._launch
     checked = []
 
-    def strict_launch(so):
+    def strict_launch(so, scheduled):
         if all(e.num_tokens == 1 for e in so.requests):  # decode steps (prefill may grow the allocator)
             checked.append(so.step_id)
             torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(so)
+            return launch(so, scheduled)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    engine._launch = strict_launch
+    engine.core._launch = strict_launch
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, min_p=0.05, seed=3, logprobs=2, ignore_eos=True),

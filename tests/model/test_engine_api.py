@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import tallyserve.engine.llm_engine as llm_engine_mod
+import tallyserve.executor.uniproc as uniproc_mod
 from tallyserve import LLM, SamplingParams
 from tallyserve.cli import main as cli_main
 from tallyserve.runner.forward_batch import ForwardBatch
@@ -58,7 +58,7 @@ def test_bad_engine_args_fail_before_weights_load(model_dir, monkeypatch, kwargs
     def no_load(*a, **k):
         raise AssertionError("weights were loaded before the arguments were validated")
 
-    monkeypatch.setattr(llm_engine_mod, "load_model", no_load)
+    monkeypatch.setattr(uniproc_mod, "load_model", no_load)
     with pytest.raises(ValueError, match=message):
         LLM(model=model_dir, **kwargs)
 
@@ -80,7 +80,7 @@ def test_ledger_mismatch_fails_only_that_step(model_dir, monkeypatch, async_sche
             object.__setattr__(batch, "num_tokens", batch.num_tokens + 1)
         return batch
 
-    monkeypatch.setattr(llm_engine_mod.ForwardBatch, "build", staticmethod(bad_build))
+    monkeypatch.setattr(ForwardBatch, "build", staticmethod(bad_build))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0]
     assert first.outputs[0].finish_reason == "error" and "ledger mismatch" in first.error

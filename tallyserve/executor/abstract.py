@@ -1,0 +1,62 @@
+"""The Executor interface: what the engine core needs from whatever runs the model.
+
+Three implementations share it: the in-process model executor (one ModelRunner), the
+multi-process executor (one worker per tensor-parallel rank) and the simulator's cost-model
+executor. A step goes ``apply_transfers`` -> ``prepare`` (the batch, whose token count the
+core checks against the ledger) -> ``launch`` (forward and sampling, queued) -> the handle's
+``result()`` (a ModelRunnerOutput on the host).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Protocol
+
+import torch
+
+from tallyserve.core.kv_cache_manager import KVTransfers
+from tallyserve.core.sched_output import SchedulerOutput
+from tallyserve.runner.outputs import ModelRunnerOutput
+
+
+class PreparedStep(Protocol):
+    num_tokens: int  # query tokens the forward pass will compute (the ledger's forward count)
+
+
+class StepHandle(Protocol):
+    """A launched step. ``token_index``/``token_ids``: where its sampled tokens sit on the
+    device, for the placeholder rows of the next async step."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(ABC):
+    #: True when a launched step overlaps the host's work (CUDA): async scheduling pays off.
+    overlaps_host: bool = False
+
+    @abstractmethod
+    def apply_transfers(self, transfers: KVTransfers) -> None:
+        """Offloads, restores and partial-block copies the scheduler queued for this step."""
+
+    @abstractmethod
+    def prepare(self, so: SchedulerOutput, prev: Optional[StepHandle]) -> PreparedStep:
+        """Build the step's batch (placeholder rows read ``prev``'s sampled tokens)."""
+
+    @abstractmethod
+    def launch(self, so: SchedulerOutput, prepared: PreparedStep, prev: Optional[StepHandle],
+               draft_probs: Optional[dict[str, torch.Tensor]] = None) -> StepHandle:
+        """Queue the forward pass and sampling; the handle's result() waits for them."""
+
+    @property
+    def bytes_moved(self) -> int:
+        """KV bytes copied between the device and host pools so far."""
+        return 0
+
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (a worker died)."""
+
+    def shutdown(self) -> None:
+        """Release workers and devices; idempotent."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": type(self).__name__}

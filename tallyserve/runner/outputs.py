@@ -1,0 +1,46 @@
+"""What a launched step hands back to the engine core: ModelRunnerOutput (host data) and the
+handle that yields it once the device is done (AsyncModelRunnerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tallyserve.runner.rejection_sampler import TokenSample
+from tallyserve.runner.sampler import PendingSamplerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results on the host. `sampled`: per request that sampled, the tokens it keeps
+    (one, or accepted drafts plus one), with logprobs. `beam_logprobs`: per beam-search row, the
+    log-softmax of its logits over the vocabulary (beam selection happens in the engine)."""
+
+    sampled: dict[str, list[TokenSample]] = field(default_factory=dict)
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def token_ids(self) -> dict[str, list[int]]:
+        return {rid: [t.token_id for t in toks] for rid, toks in self.sampled.items()}
+
+
+@dataclass
+class AsyncModelRunnerOutput:
+    """A launched step whose sampled tokens may still be on the device."""
+
+    num_forward_tokens: int  # what the batch builder built (the ledger's forward count)
+    resolved: dict[str, list[TokenSample]] = field(default_factory=dict)  # rows settled on the host
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_ids: Optional[torch.Tensor] = None  # device tensor of the plain rows' tokens
+    token_index: dict[str, int] = field(default_factory=dict)  # request id -> row of token_ids
+    pending: Optional[PendingSamplerOutput] = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the device, then the host view of every sampled row."""
+        out = dict(self.resolved)
+        if self.pending is not None:
+            host = self.pending.result()
+            for rid, i in self.token_index.items():
+                out[rid] = [TokenSample(host.token_ids[i], host.logprobs[i], host.top_logprobs[i])]
+        return ModelRunnerOutput(out, self.beam_logprobs)
