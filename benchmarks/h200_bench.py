@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # DESIGN.md, H200, transformers generate_batch
+HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # docs/benchmarks.md, H200, transformers generate_batch
 ROOFLINE = {"mixed_s": 6.2, "decode_step_ms": 3.8}
 SECTIONS = ("micro", "checks", "mixed", "shared", "decode", "tune")  # tune: not run by default
 

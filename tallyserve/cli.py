@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=conv, default=None, dest=f.name)
     group.add_argument("--kv-offload-gb", type=float, default=None, dest="kv_offload_gb",
                        help="host-memory KV tier size in GiB (sets kv_offload_bytes)")
+    group.add_argument("-tp", type=int, default=None, dest="tensor_parallel_size",
+                       help="short for --tensor-parallel-size")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -14,6 +14,32 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) does not fit max_model_len. ``param``: the field to blame."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int, max_tokens: Optional[int] = None) -> None:
+    """The one prompt-length check (engine, scheduler, beam search and server). The prompt must leave
+    room for one generated token; with ``max_tokens``, prompt + max_tokens must fit too."""
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthError(f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, your "
+                                 f"prompt has {num_prompt_tokens} tokens; it must be shorter.", "prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or the completion length.", "max_tokens")
+
+
+def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The per-step token budget when the user sets none (the engine and the profiler agree)."""
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill else max(max_model_len, 2048)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
@@ -76,9 +102,19 @@ class EngineArgs:
     # Schedule and launch step N+1 while step N runs (its sampled tokens feed N+1 on the device).
     # None: on for CUDA without speculative decoding, off on the CPU (where nothing overlaps).
     async_scheduling: Optional[bool] = None
+    # Tensor parallelism: one worker process per rank (torch.distributed: NCCL on GPUs, gloo on CPU).
+    tensor_parallel_size: int = 1
+    # Several machines: nnodes of them, each running tensor_parallel_size / nnodes ranks; node 0 runs
+    # the scheduler and the server, the others only workers. dist_init_addr: HOST:PORT of the rendezvous.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    # Seconds a worker may take to answer a step (or a collective to complete) before it counts as dead.
+    worker_timeout: float = 300.0
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
+        self._validate_parallel()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
@@ -111,6 +147,26 @@ class EngineArgs:
             raise ValueError("async_scheduling does not support speculative decoding; "
                              "set async_scheduling=False or drop speculative_config")
 
+    def _validate_parallel(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("node_rank", self.node_rank, 0, self.nnodes - 1)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"nnodes ({self.nnodes}): every node runs the same number of ranks")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0's rendezvous)")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if isinstance(self.worker_timeout, bool) or not isinstance(self.worker_timeout, (int, float)) \
+                or not 0 < self.worker_timeout < float("inf"):
+            raise ValueError(f"worker_timeout must be a positive number of seconds, got {self.worker_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 yet; "
+                             "set async_scheduling=False")
+
     def resolve(self, model_config: ModelConfig, num_blocks: int, num_host_blocks: int = 0) -> EngineConfig:
         """Derive max_model_len and the token budget once; the result is frozen."""
         model_max = model_config.max_position_embeddings
@@ -132,7 +188,7 @@ class EngineArgs:
             max_model_len = min(model_max, capacity)
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max(max_model_len, 2048)
+            budget = default_max_num_batched_tokens(self.enable_chunked_prefill, max_model_len)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "

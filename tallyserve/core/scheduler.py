@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
-from tallyserve.config import CacheConfig, SchedulerConfig
+from tallyserve.config import CacheConfig, SchedulerConfig, check_prompt_length
 from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -68,9 +68,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        limit = self.config.max_model_len
-        if request.num_tokens >= limit:
-            raise ValueError(f"prompt has {request.num_tokens} tokens; max_model_len is {limit}, so it must be shorter")
+        check_prompt_length(request.num_tokens, self.config.max_model_len)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)

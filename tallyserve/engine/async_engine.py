@@ -4,9 +4,17 @@ Only the loop thread ever touches the `LLMEngine`. The event loop talks to it th
 thread-safe inbox (add / abort / fault / stop commands); outputs come back once per step through
 `loop.call_soon_threadsafe`; a beam search group (`beam_search()`) gets one item that way, its
 `BeamSearchOutput`, when it finishes. If the loop thread dies, every pending stream ends at once
-with `EngineDeadError` and new requests are refused. Health is derived from three facts the loop
-publishes: it is alive, the time of its last heartbeat (a finished step, or an idle wait), and
-whether work is pending.
+with `EngineDeadError` and new requests are refused.
+
+Outputs are cumulative, so a stream buffers at most one unconsumed RequestOutput: a newer one
+replaces it (a client that does not read costs one output, not one per step).
+
+Health is derived from what the loop publishes: it is alive, the time of its last heartbeat (a
+finished step, or an idle wait), whether a step is running (since when, and how many tokens it
+scheduled), and an estimate of seconds per scheduled token from finished steps. The loop is
+stalled when work is pending and no step completed within the stall window while none was running,
+or when the running step has run longer than the stall timeout plus STALL_FACTOR times its
+predicted duration: a long prefill that runs at the usual speed is progress, not a stall.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ from tallyserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_STALL_TIMEOUT_S = 5.0
+DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
+SEED_SECONDS_PER_TOKEN = 0.02  # conservative CPU figure, until a finished step gives a measurement
+STALL_FACTOR = 8.0  # a running step is stalled past stall_timeout + STALL_FACTOR x its predicted time
+_EMA_ALPHA = 0.2  # weight of the newest step in the seconds-per-token average
+_EMA_MAX_JUMP = 4.0  # one step counts as at most this many times the estimate (an injected stall, a GC pause)
 _IDLE_WAIT_S = 0.1  # the idle loop wakes this often to beat its heart
 
 
@@ -58,13 +71,29 @@ class _LoopKilled(Exception):
     """Raised inside the loop thread by the kill_loop fault."""
 
 
+class _OutputQueue(asyncio.Queue):
+    """A stream's queue. RequestOutputs are cumulative, so a new one replaces an unconsumed one
+    still queued (unless that one is final): a consumer that does not keep up holds one output,
+    not one per step, and still gets every token (deltas are taken from the cumulative text).
+    Exceptions, outputs with an error, final outputs and beam search results are never replaced,
+    and order is kept (a replacement takes the replaced item's place, the last one)."""
+
+    def _put(self, item: Any) -> None:
+        q = self._queue  # type: ignore[attr-defined]
+        if (q and isinstance(item, RequestOutput) and item.error is None
+                and isinstance(q[-1], RequestOutput) and not q[-1].finished and q[-1].error is None):
+            q[-1] = item
+        else:
+            q.append(item)
+
+
 @dataclass
 class _Stream:
     """Consumer side of one request: an asyncio queue on the caller's event loop."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue = field(default_factory=_OutputQueue)
     finished: bool = False
 
 
@@ -76,9 +105,23 @@ class HealthState:
     seconds_since_heartbeat: float
     stall_timeout: float
     dead_reason: Optional[str]
+    step_running_s: Optional[float] = None  # how long the running step has run; None between steps
+    step_tokens: int = 0  # tokens the running step scheduled (0 if not known)
+    seconds_per_token: float = SEED_SECONDS_PER_TOKEN  # the loop's estimate from finished steps
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.seconds_per_token * self.step_tokens
+
+    @property
+    def step_limit_s(self) -> float:
+        """How long the running step may take before it counts as stalled."""
+        return self.stall_timeout + STALL_FACTOR * self.predicted_step_s
 
     @property
     def stalled(self) -> bool:
+        if self.step_running_s is not None:
+            return self.step_running_s > self.step_limit_s
         return self.pending > 0 and self.seconds_since_heartbeat > self.stall_timeout
 
     @property
@@ -91,9 +134,15 @@ class HealthState:
             return f"engine loop is not running: {self.dead_reason or 'stopped'}"
         if self.draining:
             return "server is draining for shutdown"
+        if self.stalled and self.step_running_s is not None:
+            return (f"engine loop stalled: the running step has taken {self.step_running_s:.1f}s, over its limit "
+                    f"of {self.step_limit_s:.1f}s (stall timeout {self.stall_timeout}s + {STALL_FACTOR:g} x the "
+                    f"predicted {self.predicted_step_s:.3f}s for {self.step_tokens} token(s) at "
+                    f"{self.seconds_per_token * 1e3:.3f} ms/token), {self.pending} request(s) pending")
         if self.stalled:
-            return (f"engine loop stalled: no step completed for {self.seconds_since_heartbeat:.1f}s "
-                    f"with {self.pending} request(s) pending (stall timeout {self.stall_timeout}s)")
+            return (f"engine loop stalled: no step running and none completed for "
+                    f"{self.seconds_since_heartbeat:.1f}s with {self.pending} request(s) pending "
+                    f"(stall timeout {self.stall_timeout}s)")
         return "ok"
 
 
@@ -101,10 +150,14 @@ class AsyncLLMEngine:
     """Runs `engine` in a background thread; `generate()` streams its outputs to asyncio callers."""
 
     def __init__(self, engine: LLMEngine, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
-                 max_queue_len: Optional[int] = None) -> None:
+                 max_queue_len: Optional[int] = None,
+                 slow_client_timeout: Optional[float] = DEFAULT_SLOW_CLIENT_TIMEOUT_S) -> None:
         self.engine = engine
         self.stall_timeout = stall_timeout
         self.max_queue_len = max_queue_len
+        # Read by the server's SSE responses: a stream whose client does not read for this long is
+        # aborted (None: never).
+        self.slow_client_timeout = slow_client_timeout
         # A private tokenizer copy for the event-loop side (the engine's is used by the loop thread).
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.served_model_name = engine.served_model_name
@@ -115,13 +168,14 @@ class AsyncLLMEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # guarded by _lock
-        # Requests not yet in a published stats snapshot (in the inbox, or added since); _lock.
-        self._unadmitted = 0
+        # Submit time of each request in the inbox, oldest first, until the loop picks it up; _lock.
+        self._inbox_times: dict[str, float] = {}
         self._dead_reason: Optional[str] = None  # set once, under _lock, when the loop ends
-        self._admitted = 0  # loop thread only: adds applied since the last snapshot
         self._flush = False  # loop thread only: a cancelled beam group may leave KV copies queued
         self._thread: Optional[threading.Thread] = None
         self._heartbeat = time.monotonic()
+        self._step_started: Optional[float] = None  # loop thread writes: when the running step began
+        self._seconds_per_token = SEED_SECONDS_PER_TOKEN  # loop thread writes: EMA over finished steps
         self._stats: dict[str, Any] = engine.stats()
         self.draining = False
         # Called from the loop thread with the number of tokens each non-empty step scheduled.
@@ -152,27 +206,51 @@ class AsyncLLMEngine:
     def health(self) -> HealthState:
         with self._lock:
             pending = len(self._streams)
+        started = self._step_started  # read once: the loop thread clears it when the step ends
+        now = time.monotonic()
         return HealthState(
             alive=self.is_running,
             draining=self.draining,
             pending=pending,
-            seconds_since_heartbeat=time.monotonic() - self._heartbeat,
+            seconds_since_heartbeat=now - self._heartbeat,
             stall_timeout=self.stall_timeout,
             dead_reason=self._dead_reason,
+            step_running_s=None if started is None else now - started,
+            step_tokens=self._current_step_tokens() if started is not None else 0,
+            seconds_per_token=self._seconds_per_token,
         )
+
+    def _current_step_tokens(self) -> int:
+        """Tokens the running step scheduled, as the engine publishes them (0 if it does not)."""
+        try:
+            return int(getattr(self.engine, "current_step_tokens", 0) or 0)
+        except Exception:  # noqa: BLE001 - a racy read from this thread must never fail /health
+            return 0
 
     def stats(self) -> dict[str, Any]:
         """The engine stats the loop thread last published (never read from the engine here)."""
         return self._stats
 
     def num_waiting(self) -> int:
-        """Requests waiting in the scheduler's last snapshot, plus those submitted since (still in
-        the inbox, or added and in their first step): the length of the queue max_queue_len caps."""
+        """The length of the queue max_queue_len caps: requests waiting for KV blocks or token
+        budget (the scheduler's waiting queue in the loop's last snapshot). Requests the loop has
+        not picked up yet count only once they have sat in its inbox for the stall window, or while
+        health says stalled, so a burst against an idle engine is admitted but a stuck loop cannot
+        take unbounded work."""
+        stalled = self.health().stalled
         with self._lock:
-            return self._num_waiting_locked()
+            return self._num_waiting_locked(stalled)
 
-    def _num_waiting_locked(self) -> int:
-        return int(self._stats.get("num_waiting", 0)) + self._unadmitted
+    def _num_waiting_locked(self, stalled: bool) -> int:
+        waiting = int(self._stats.get("num_waiting", 0))
+        if stalled:
+            return waiting + len(self._inbox_times)
+        cutoff = time.monotonic() - self.stall_timeout
+        for submitted in self._inbox_times.values():  # oldest first
+            if submitted > cutoff:
+                break
+            waiting += 1
+        return waiting
 
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt: PromptType,
@@ -217,21 +295,23 @@ class AsyncLLMEngine:
 
     def _submit(self, stream: _Stream, cmd: tuple) -> _Stream:
         """Admission (live loop, unique id, queue limit) and the add command, atomically."""
+        stalled = self.max_queue_len is not None and self.health().stalled
         with self._lock:
             if self._dead_reason is not None or not self.is_running:
                 raise EngineDeadError(f"engine loop is not running: {self._dead_reason or 'not started'}")
             if stream.request_id in self._streams:
                 raise RequestRejectedError(f"request id {stream.request_id!r} is already in use")
-            if self.max_queue_len is not None and self._num_waiting_locked() >= self.max_queue_len:
+            if self.max_queue_len is not None and self._num_waiting_locked(stalled) >= self.max_queue_len:
                 raise QueueFullError(f"too many requests waiting (max_queue_len is {self.max_queue_len})")
             self._streams[stream.request_id] = stream
-            self._unadmitted += 1
+            self._inbox_times[stream.request_id] = time.monotonic()
             self._inbox.put(cmd)
         return stream
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
+            self._inbox_times.pop(request_id, None)
         if stream is not None:
             stream.finished = True
             self._inbox.put(("abort", request_id))
@@ -270,14 +350,26 @@ class AsyncLLMEngine:
                 continue
             self._flush = False
             before = self._stats.get("scheduled_tokens", 0)
-            admitted = self._admitted
-            outputs = engine.step()
-            self._heartbeat = time.monotonic()
-            stats = self._publish_stats(admitted)
-            if self.step_observer is not None and stats["scheduled_tokens"] > before:
-                self.step_observer(stats["scheduled_tokens"] - before)
+            started = self._step_started = time.monotonic()
+            try:
+                outputs = engine.step()
+            finally:
+                self._heartbeat = time.monotonic()
+                self._step_started = None
+            stats = self._publish_stats()
+            tokens = stats["scheduled_tokens"] - before
+            if tokens > 0:
+                self._observe_step(self._heartbeat - started, tokens)
+                if self.step_observer is not None:
+                    self.step_observer(tokens)
             self._dispatch(outputs)
             self._dispatch_beams()
+
+    def _observe_step(self, seconds: float, tokens: int) -> None:
+        """Fold a finished step into the seconds-per-token average the stall rule predicts with.
+        One sample moves it up by at most _EMA_MAX_JUMP x, so a stalled step barely skews it."""
+        sample = min(seconds / tokens, _EMA_MAX_JUMP * self._seconds_per_token)
+        self._seconds_per_token += _EMA_ALPHA * (sample - self._seconds_per_token)
 
     def _drain_inbox(self, block: bool) -> Optional[str]:
         """Apply queued commands; the reason when asked to stop. Blocks briefly when idle."""
@@ -286,25 +378,23 @@ class AsyncLLMEngine:
                 cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
             except queue.Empty:
                 if block:
-                    self._publish_stats(self._admitted)
+                    self._publish_stats()
                 return None
             block = False
             if cmd[0] == "stop":
                 return cmd[1]
             getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
 
-    def _publish_stats(self, admitted: int) -> dict[str, Any]:
-        """New stats snapshot; `admitted` requests added before it are now counted in it."""
+    def _publish_stats(self) -> dict[str, Any]:
+        """A new stats snapshot (what num_waiting and /metrics read)."""
         stats = self.engine.stats()
         with self._lock:
             self._stats = stats
-            self._unadmitted -= admitted
-        self._admitted -= admitted
         return stats
 
     def _cmd_add(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> None:
-        self._admitted += 1  # leaves _unadmitted at the next snapshot
         with self._lock:
+            self._inbox_times.pop(request_id, None)  # picked up: from now on the scheduler counts it
             stream = self._streams.get(request_id)
         if stream is None:
             return  # aborted before it was admitted
@@ -315,6 +405,10 @@ class AsyncLLMEngine:
                 self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:
             self._deliver([(stream, RequestRejectedError(str(exc)))], finished=True)
+        except Exception as exc:  # noqa: BLE001 - a request that breaks admission ends itself, not the loop
+            logger.error("adding request %s failed", request_id, exc_info=exc)
+            self.engine.abort_request(request_id)
+            self._deliver([(stream, StepFailedError(f"{type(exc).__name__}: {exc}"))], finished=True)
 
     def _cmd_abort(self, request_id: str) -> None:
         if not self._cancel_beam_group(request_id):
@@ -398,7 +492,7 @@ class AsyncLLMEngine:
                 self._dead_reason = reason
             streams = list(self._streams.values())
             self._streams.clear()
-            self._unadmitted = 0
+            self._inbox_times.clear()
         self._deliver([(s, EngineDeadError(f"engine loop is not running: {reason}")) for s in streams],
                       finished=False)
 

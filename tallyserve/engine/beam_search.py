@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from tallyserve.config import check_prompt_length
 from tallyserve.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -219,11 +220,7 @@ class BeamSearchDriver:
 
         if group_id in self.groups or group_id in self.outputs:
             raise ValueError(f"request id {group_id!r} is already in use")
-        limit = self.scheduler.config.max_model_len
-        if len(prompt_token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})"
-            )
+        check_prompt_length(len(prompt_token_ids), self.scheduler.config.max_model_len, params.max_tokens)
         sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
         root = Request(f"{group_id}#root", prompt_token_ids, sp, max_tokens=params.max_tokens,
                        eos_token_ids=self.eos_token_ids)

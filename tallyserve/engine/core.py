@@ -19,7 +19,7 @@ import torch
 from tallyserve.core import ledger
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.core.scheduler import Scheduler
-from tallyserve.executor.abstract import Executor, StepHandle
+from tallyserve.executor.abstract import Executor, ExecutorDeadError, StepHandle
 from tallyserve.request import Request
 from tallyserve.runner.outputs import ModelRunnerOutput
 
@@ -89,6 +89,7 @@ class EngineCore:
             launched, failure = self._launch(so, scheduled)
         elif so.kv_transfers:  # e.g. copy-on-write of forked beams queued since the last step
             self.executor.apply_transfers(so.kv_transfers)
+            self.executor.flush_transfers()
         self.timings["launch"] += time.perf_counter() - t1
         prev = launched
         if async_scheduling:
@@ -108,6 +109,8 @@ class EngineCore:
         (None, (exception, whether the transfers ran)); only this step's requests fail."""
         try:
             self.executor.apply_transfers(so.kv_transfers)
+        except ExecutorDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the promised host copies never happened
             return None, (exc, False)
         prev = self.inflight.handle if self.inflight is not None else None
@@ -119,6 +122,8 @@ class EngineCore:
                 self.fault_injector(so)
             handle = self.executor.launch(so, prepared, prev, self.drafts.draft_probs_for(so))
             return _Launched(so, scheduled, handle), None
+        except ExecutorDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
             return None, (exc, True)
 
@@ -128,6 +133,8 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             output = launched.handle.result()
+        except ExecutorDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the copy
             return self._fail(launched.so, launched.scheduled, exc)
         t1 = time.perf_counter()

@@ -11,14 +11,16 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from tallyserve.config import EngineArgs
+from tallyserve.config import EngineArgs, check_prompt_length
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from tallyserve.engine.core import EngineCore, StepResult
 from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
 from tallyserve.engine.spec_runner import SpecDecodeRunner
+from tallyserve.executor.abstract import ExecutorDeadError
 from tallyserve.executor.uniproc import UniProcExecutor
+from tallyserve.models.llama import check_tensor_parallel
 from tallyserve.models.loader import resolve_model
 from tallyserve.outputs import RequestOutput
 from tallyserve.request import Request, RequestStatus
@@ -61,8 +63,15 @@ class LLMEngine:
         self.model_config = mc
         self.eos_token_ids = self._eos_ids()
         torch.manual_seed(args.seed)
-        self.executor, self.config = UniProcExecutor.create(args, resolved, self.device, self.dtype,
-                                                            self.eos_token_ids)
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel(mc, args.tensor_parallel_size)  # before any process or weight
+            from tallyserve.executor.multiproc import MultiprocExecutor
+
+            self.executor, self.config = MultiprocExecutor.create(args, resolved, self.device, self.dtype,
+                                                                  self.eos_token_ids)
+        else:
+            self.executor, self.config = UniProcExecutor.create(args, resolved, self.device, self.dtype,
+                                                                self.eos_token_ids)
         self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.spec = None
@@ -157,8 +166,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self.process_prompt(prompt)
         max_model_len = self.config.scheduler_config.max_model_len
-        if len(ids) >= max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_model_len}, so it must be shorter")
+        check_prompt_length(len(ids), max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
         parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()})
         for i in range(params.n):
@@ -201,7 +209,7 @@ class LLMEngine:
         KV-cache invariant raises, as EngineFatalError."""
         try:
             return self._step()
-        except EngineFatalError:
+        except (EngineFatalError, ExecutorDeadError):
             raise
         except Exception as exc:  # noqa: BLE001 - the last-resort guard
             return self._recover(exc)

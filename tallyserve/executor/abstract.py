@@ -19,6 +19,11 @@ from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.runner.outputs import ModelRunnerOutput
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor can run no more steps (a worker process died or stopped answering): the engine
+    loop stops, every pending request fails, and /health says why."""
+
+
 class PreparedStep(Protocol):
     num_tokens: int  # query tokens the forward pass will compute (the ledger's forward count)
 
@@ -51,6 +56,9 @@ class Executor(ABC):
     def bytes_moved(self) -> int:
         """KV bytes copied between the device and host pools so far."""
         return 0
+
+    def flush_transfers(self) -> None:
+        """Run KV moves queued by a step that launched nothing (no-op where they ran at once)."""
 
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker died)."""

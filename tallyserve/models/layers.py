@@ -1,18 +1,34 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, SiLU-gated MLP.
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, SiLU-gated MLP, and
+the tensor-parallel linear / embedding layers (vLLM's names).
 
 Numerics follow the Hugging Face reference implementations so that parity tests can be tight:
 RMSNorm normalises in float32 and scales in the input dtype; RoPE uses the non-interleaved
 "rotate half" layout (the first half of each head pairs with the second half).
+
+Tensor parallelism (Megatron-style): each parallel layer holds one rank's slice of the
+checkpoint tensor, described by a ``ShardSpec`` that the loader uses to read just that slice.
+At ``tp_size == 1`` every parallel layer computes exactly what ``nn.Linear`` / ``nn.Embedding``
+compute (same calls), and ``shard_specs()`` is empty.
+  * ``ColumnParallelLinear``: output features split; no communication (its output stays local).
+  * ``RowParallelLinear``: input features split; partial products summed by one all-reduce, the
+    bias (replicated) added once, after the reduce.
+  * ``VocabParallelEmbedding``: vocab rows split in ``ceil(vocab / tp_size)`` per rank (the last
+    rank's tail is zero padding); ids outside a rank's slice give zeros, then one all-reduce.
+  * ``ParallelLMHead``: the same vocab slice as the embedding (so tied weights just work); the
+    local logits are gathered onto rank 0 (``compute_logits``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tallyserve.distributed import parallel_state
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -108,14 +124,122 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x))."""
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a checkpoint tensor one rank holds: ``[start, start + size)`` along ``dim`` of a
+    tensor that is ``full_size`` long there. The local parameter may be longer than ``size`` along
+    ``dim`` (vocab padding); those extra rows are zero."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    dim: int
+    start: int
+    size: int
+    full_size: int
+
+
+def even_shard(full_size: int, tp_size: int, tp_rank: int, dim: int = 0) -> ShardSpec:
+    """Rank ``tp_rank``'s equal share of ``full_size`` (which ``tp_size`` must divide)."""
+    if full_size % tp_size:
+        raise ValueError(f"{full_size} is not divisible by tp_size={tp_size}")
+    size = full_size // tp_size
+    return ShardSpec(dim, tp_rank * size, size, full_size)
+
+
+def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[ShardSpec, int]:
+    """(rank's vocab slice, rows per rank): ``ceil(vocab / tp_size)`` rows each, the last rank's
+    slice shorter (or empty) and padded with zero rows."""
+    per_partition = -(-vocab_size // tp_size)
+    start = min(tp_rank * per_partition, vocab_size)
+    return ShardSpec(0, start, min(per_partition, vocab_size - start), vocab_size), per_partition
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y_local = x W_local^T + b_local with W's output rows split across ranks (``shard``: which
+    rows; default an even split). The output stays local (no communication)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_size: int = 1,
+                 tp_rank: int = 0, shard: Optional[ShardSpec] = None) -> None:
+        self.tp_size = tp_size
+        self.shard = shard or even_shard(output_size, tp_size, tp_rank, dim=0)
+        super().__init__(input_size, self.shard.size, bias=bias)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        if self.tp_size == 1:
+            return {}
+        return {"weight": self.shard, **({"bias": self.shard} if self.bias is not None else {})}
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local W_local^T) + b, with W's input columns split across ranks and the
+    bias replicated (added once, after the reduce)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        self.tp_size = tp_size
+        self.shard = even_shard(input_size, tp_size, tp_rank, dim=1)
+        super().__init__(self.shard.size, output_size, bias=bias)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {"weight": self.shard} if self.tp_size > 1 else {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = parallel_state.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding whose vocab rows are split across ranks (see ``vocab_shard``): ids outside this
+    rank's slice look up zeros, and one all-reduce assembles the full embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_size: int = 1, tp_rank: int = 0) -> None:
+        self.tp_size = tp_size
+        self.shard, per_partition = vocab_shard(num_embeddings, tp_size, tp_rank)
+        super().__init__(per_partition, embedding_dim)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {"weight": self.shard} if self.tp_size > 1 else {}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(input_ids)
+        lo, hi = self.shard.start, self.shard.start + self.shard.size
+        outside = (input_ids < lo) | (input_ids >= hi)
+        out = F.embedding((input_ids - lo).masked_fill(outside, 0), self.weight)
+        return parallel_state.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(nn.Linear):
+    """Output projection over this rank's vocab slice (the embedding's slice, so weights can be
+    tied); ``compute_logits`` gathers the full vocab onto rank 0."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_size: int = 1, tp_rank: int = 0) -> None:
+        self.tp_size = tp_size
+        self.vocab_size = num_embeddings
+        self.shard, per_partition = vocab_shard(num_embeddings, tp_size, tp_rank)
+        super().__init__(embedding_dim, per_partition, bias=False)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {"weight": self.shard} if self.tp_size > 1 else {}
+
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden (N, embedding_dim) -> float32 (N, vocab) on rank 0; None on the other ranks."""
+        if self.tp_size == 1:
+            return F.linear(hidden, self.weight).float()
+        logits = parallel_state.gather_last_dim(F.linear(hidden, self.weight), dst=0)
+        return None if logits is None else logits[:, : self.vocab_size].float()
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
         self.gate_up_weight: Optional[torch.Tensor] = None  # set by fuse()
 
     @torch.no_grad()

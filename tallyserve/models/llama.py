@@ -9,11 +9,21 @@ Parameter names match Hugging Face checkpoints, so a safetensors state dict load
 
 The model is flat-token: ``forward`` takes T token ids with explicit positions (requests laid out
 one after another, as ``AttentionMetadata`` describes) and returns T hidden states.
+
+Tensor parallelism (``tp_size > 1``; one process per rank, see ``tallyserve.distributed``): each
+rank holds ``num_attention_heads / tp_size`` query heads, its KV heads (``num_local_kv_heads``:
+``num_key_value_heads / tp_size`` when there are at least ``tp_size`` of them, else the one KV
+head its query heads use, replicated across ``tp_size / num_key_value_heads`` ranks), an
+``intermediate_size / tp_size`` slice of the MLP and a ``ceil(vocab / tp_size)`` slice of the
+embedding and lm_head. Two all-reduces per layer (after o_proj and down_proj), one after the
+embedding, one gather of the logits onto rank 0. ``check_tensor_parallel`` says which tp sizes fit.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +31,77 @@ from torch import nn
 
 from tallyserve.attention.backend import AttentionBackend, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.distributed import parallel_state
 from tallyserve.models import fused_ops
-from tallyserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tallyserve.models.layers import (
+    ColumnParallelLinear,
+    GatedMLP,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    apply_rotary,
+    vocab_shard,
+)
 from tallyserve.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """ValueError unless ``config`` can be split over ``tp_size`` ranks: tp_size >= 1,
+    num_attention_heads % tp_size == 0, num_key_value_heads % tp_size == 0 when
+    num_key_value_heads >= tp_size (else tp_size % num_key_value_heads == 0: KV heads replicated),
+    intermediate_size % tp_size == 0. Any vocab size works (padded to a multiple of tp_size)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"num_attention_heads ({heads}) is not divisible by it")
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        problems.append(f"num_key_value_heads ({kv_heads}) is not divisible by it")
+    if kv_heads < tp_size and tp_size % kv_heads:
+        problems.append(f"it is not a multiple of num_key_value_heads ({kv_heads}), so KV heads cannot be replicated")
+    if config.intermediate_size % tp_size:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not fit {config.architecture}: " + "; ".join(problems))
+
+
+def num_local_kv_heads(config: ModelConfig, tp_size: int) -> int:
+    """KV heads each rank caches (the KV cache's head dimension per rank)."""
+    check_tensor_parallel(config, tp_size)
+    return max(1, config.num_key_value_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class TensorParallelShapes:
+    """One rank's share of the model (all counts local to the rank)."""
+
+    tp_size: int
+    tp_rank: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # KV heads (1 when replicated)
+    kv_head_start: int  # first global KV head this rank holds
+    intermediate_size: int
+    vocab: ShardSpec  # this rank's slice of the vocabulary (rows of embed_tokens / lm_head)
+    vocab_per_partition: int  # local rows of embed_tokens / lm_head (>= vocab.size: zero padding)
+
+    @classmethod
+    def create(cls, config: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> "TensorParallelShapes":
+        check_tensor_parallel(config, tp_size)
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be an integer in [0, {tp_size}), got {tp_rank!r}")
+        kv_heads = config.num_key_value_heads
+        local_kv = max(1, kv_heads // tp_size)
+        # replicated (kv_heads < tp_size): ranks r * kv_heads // tp_size share one KV head
+        kv_start = tp_rank * local_kv if kv_heads >= tp_size else tp_rank * kv_heads // tp_size
+        vocab, per_partition = vocab_shard(config.vocab_size, tp_size, tp_rank)
+        return cls(tp_size, tp_rank, config.num_attention_heads // tp_size, local_kv, kv_start,
+                   config.intermediate_size // tp_size, vocab, per_partition)
 
 
 def _projection_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -38,24 +114,28 @@ def _projection_biases(config: ModelConfig) -> tuple[bool, bool]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    """Self-attention over this rank's heads: q/k/v column-parallel, o_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        if self.num_heads % self.num_kv_heads:
+        if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
             )
+        self.num_heads = tp.num_heads
+        self.num_kv_heads = tp.num_kv_heads
+        self.head_dim = d = config.head_dim
         self.scale = self.head_dim ** -0.5
         self.attn_backend = attn_backend
         qkv_bias, o_bias = _projection_biases(config)
-        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        hidden, q_size, kv_size = config.hidden_size, config.num_attention_heads * d, config.num_key_value_heads * d
+        kw = dict(tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        kv_shard = ShardSpec(0, tp.kv_head_start * d, tp.num_kv_heads * d, kv_size)
+        self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, **kw)
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, **kw)
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, **kw)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, **kw)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -113,13 +193,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
         super().__init__()
         mlp_bias = bool(config.hf_config.get("mlp_bias", False)) if config.model_type == "llama" else False
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attn_backend)
+        self.self_attn = LlamaAttention(config, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias,
+                            tp_size=tp.tp_size, tp_rank=tp.tp_rank)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -129,10 +210,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.fused = False
@@ -168,18 +252,49 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache; rank ``tp_rank`` of
+    ``tp_size`` under tensor parallelism (the defaults: the whole model in one process)."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
+        self.tp = TensorParallelShapes.create(config, tp_size, tp_rank)
         window = config.hf_config.get("sliding_window")
         if config.hf_config.get("use_sliding_window", True) and window and window < config.max_position_embeddings:
             logger.warning("sliding_window=%s is ignored: every layer attends to its full context", window)
-        self.model = LlamaModel(config, attn_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, attn_backend, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
         self.tie_weights()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.tp_rank
+
+    @property
+    def num_local_heads(self) -> int:
+        """Query heads on this rank."""
+        return self.tp.num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads on this rank: the head dimension of this rank's KV cache."""
+        return self.tp.num_kv_heads
+
+    def weight_shards(self) -> dict[str, ShardSpec]:
+        """Checkpoint name -> the slice this rank holds, for every split parameter (empty at
+        tp_size 1; replicated parameters are absent)."""
+        shards = {}
+        for prefix, module in self.named_modules():
+            specs = getattr(module, "shard_specs", None)
+            for pname, spec in (specs() if specs is not None else {}).items():
+                shards[f"{prefix}.{pname}" if prefix else pname] = spec
+        return shards
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output projection when the config asks for it.
@@ -188,8 +303,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """(2, num_blocks, block_size, num_kv_heads, head_dim): one layer's cache tensor."""
-        return get_kv_cache_shape(num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        """(2, num_blocks, block_size, num_local_kv_heads, head_dim): one layer's cache tensor on
+        this rank (num_local_kv_heads == num_key_value_heads at tp_size 1)."""
+        return get_kv_cache_shape(num_blocks, block_size, self.tp.num_kv_heads, self.config.head_dim)
 
     def forward(
         self,
@@ -207,7 +323,17 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"expected {self.config.num_hidden_layers} kv caches (one per layer), got {len(kv_caches)}"
             )
+        if self.tp.tp_size > 1:
+            self._check_tp_group()
         return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def _check_tp_group(self) -> None:
+        size, rank = parallel_state.tp_size(), parallel_state.tp_rank()
+        if (size, rank) != (self.tp.tp_size, self.tp.tp_rank):
+            raise RuntimeError(
+                f"this model is rank {self.tp.tp_rank} of tp_size {self.tp.tp_size}, but the tensor-parallel group "
+                f"is rank {rank} of {size}; call tallyserve.distributed.init_tensor_parallel first"
+            )
 
     def enable_fused_kernels(self) -> bool:
         """Switch to the fused GPU path (fused_ops); False where it is not available."""
@@ -220,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
         self.model.fused = True
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden_size) -> float32 logits (N, vocab_size)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden (N, hidden_size) -> float32 logits (N, vocab_size). Under tensor parallelism
+        every rank must call it (it gathers); rank 0 gets the full logits, the others None."""
+        if self.tp.tp_size == 1:
+            return self.lm_head(hidden).float()
+        return self.lm_head.compute_logits(hidden)

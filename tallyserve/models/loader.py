@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tallyserve.models.bundled import BUNDLED_ALIASES, BUNDLED_SERVED_NAME, bundled_gguf_path
+from tallyserve.models.layers import ShardSpec
 from tallyserve.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -174,21 +175,65 @@ def resolve_model(model: Optional[str], load_format: str = "auto") -> ResolvedMo
 
 
 def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Every parameter ~ N(0, 0.02), norm weights 1.0; deterministic from seed (per device type)."""
+    """Every parameter ~ N(0, 0.02), norm weights 1.0; deterministic from seed (per device type).
+
+    Under tensor parallelism a split parameter is drawn at its full (tp_size 1) shape from the
+    same generator stream and then sliced, so every rank holds exactly the tp_size 1 values of its
+    slice (each rank draws the whole model's numbers: as slow as tp_size 1, no slower)."""
+    shards = _weight_shards(model)
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
+            elif name not in shards:
                 param.normal_(0.0, DUMMY_STD, generator=gen)
+            else:
+                spec = shards[name]
+                full = param.new_empty(_full_shape(param, spec)).normal_(0.0, DUMMY_STD, generator=gen)
+                _copy_shard(param, full.narrow(spec.dim, spec.start, spec.size), spec)
+
+
+def _weight_shards(model: nn.Module) -> dict[str, ShardSpec]:
+    """The model's split parameters (empty at tp_size 1)."""
+    return model.weight_shards() if getattr(model, "tp_size", 1) > 1 else {}
+
+
+def _full_shape(param: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
+    """The checkpoint (tp_size 1) shape of a parameter that holds slice ``spec``."""
+    shape = list(param.shape)
+    shape[spec.dim] = spec.full_size
+    return tuple(shape)
+
+
+def _copy_shard(param: torch.Tensor, part: torch.Tensor, spec: ShardSpec) -> None:
+    """Copy a rank's slice into its parameter; rows past it (vocab padding) become zero."""
+    param.narrow(spec.dim, 0, spec.size).copy_(part)
+    pad = param.shape[spec.dim] - spec.size
+    if pad:
+        param.narrow(spec.dim, spec.size, pad).zero_()
+
+
+def _read_shard(f, name: str, param: torch.Tensor, spec: ShardSpec, file: str) -> torch.Tensor:
+    """Only this rank's slice ``spec`` of checkpoint tensor ``name`` (safetensors ``get_slice``
+    reads just those bytes of the memory-mapped file)."""
+    sl = f.get_slice(name)
+    shape, want = tuple(sl.get_shape()), _full_shape(param, spec)
+    if shape != want:
+        raise ValueError(f"{name}: checkpoint shape {shape} != model shape {want} ({file})")
+    index = [slice(None)] * len(shape)
+    index[spec.dim] = slice(spec.start, spec.start + spec.size)
+    return sl[tuple(index)]
 
 
 def _load_safetensors(model: nn.Module, files: tuple[str, ...]) -> None:
+    """Copy checkpoint tensors into the model by name; a split parameter (tensor parallelism)
+    reads only this rank's slice."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
+    shards = _weight_shards(model)
     tied = model.config.tie_word_embeddings
     loaded, unexpected = set(), []
     with torch.no_grad():
@@ -199,6 +244,10 @@ def _load_safetensors(model: nn.Module, files: tuple[str, ...]) -> None:
                     if param is None:
                         if not ((name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq")):
                             unexpected.append(name)
+                        continue
+                    if name in shards:
+                        _copy_shard(param, _read_shard(f, name, param, shards[name], file), shards[name])
+                        loaded.add(name)
                         continue
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(param.shape):
@@ -215,6 +264,20 @@ def _load_safetensors(model: nn.Module, files: tuple[str, ...]) -> None:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
 
 
+def _check_tp_args(config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    """tp_size fits the model, tp_rank is in range, and they agree with an initialized group."""
+    from tallyserve.distributed import parallel_state
+    from tallyserve.models.llama import check_tensor_parallel
+
+    check_tensor_parallel(config, tp_size)
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an integer in [0, {tp_size}), got {tp_rank!r}")
+    if tp_size > 1 and parallel_state.is_initialized() and \
+            (parallel_state.tp_size(), parallel_state.tp_rank()) != (tp_size, tp_rank):
+        raise ValueError(f"load_model(tp_rank={tp_rank}, tp_size={tp_size}) disagrees with the tensor-parallel "
+                         f"group (rank {parallel_state.tp_rank()} of {parallel_state.tp_size()})")
+
+
 def load_model(
     resolved: ResolvedModel,
     load_format: str = "auto",
@@ -222,11 +285,20 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     attn_backend=None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> nn.Module:
-    """Build the model on ``device`` in ``dtype`` (eval mode, no grads) and fill its weights."""
+    """Build the model on ``device`` in ``dtype`` (eval mode, no grads) and fill its weights.
+
+    ``tp_size > 1``: build rank ``tp_rank``'s shard of the model and read only its slices of the
+    weights (see ``models/llama.py``). Loading needs no process group (so one process can build
+    any rank's shard); running a sharded model needs ``tallyserve.distributed.init_tensor_parallel``
+    with the same size and rank. Bad tp arguments raise ValueError before any weight is read."""
     from tallyserve.attention.backend import get_attn_backend
     from tallyserve.models.registry import get_model_class
 
+    _check_tp_args(resolved.model_config, tp_rank, tp_size)
     load_format = check_load_format(load_format)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -238,7 +310,8 @@ def load_model(
     device = torch.device(device)
     cls = get_model_class(resolved.model_config.architecture)
     with torch.device("meta"):  # shapes only: nothing is allocated or initialised twice
-        model = cls(resolved.model_config, attn_backend or get_attn_backend("torch"))
+        tp_kwargs = {} if tp_size == 1 else dict(tp_size=tp_size, tp_rank=tp_rank)
+        model = cls(resolved.model_config, attn_backend or get_attn_backend("torch"), **tp_kwargs)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty replaces parameters, which unties shared ones
     if dummy:

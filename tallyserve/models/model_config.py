@@ -90,3 +90,11 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             hf_config=dict(cfg),
         )
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of K and V, all layers, for one token on one tensor-parallel rank: the runner sizes its
+    pool with it and the simulator its virtual one. A rank holds num_kv_heads / tp heads, or one
+    replicated head when there are fewer KV heads than ranks."""
+    local_kv_heads = max(mc.num_key_value_heads // tensor_parallel_size, 1)
+    return 2 * mc.num_hidden_layers * local_kv_heads * mc.head_dim * dtype_bytes

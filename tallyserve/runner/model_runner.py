@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from tallyserve.attention.metadata import AttentionMetadata
-from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, default_max_num_batched_tokens
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
@@ -51,10 +51,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       tensor_parallel_size: int = 1) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
-    return per_token * block_size * elem
+    return kv_bytes_per_token(model_config, elem, tensor_parallel_size) * block_size
 
 
 # GPU memory kept free beyond the profiled activations: CUDA-graph pools, sampler, fragmentation.
@@ -68,8 +68,7 @@ def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: M
     measured on the GPU. The dummy batch has slots -1 and an all-zero block table over a one-block
     scratch cache shared by every layer, so it writes nothing and needs no real KV pool."""
     max_len = args.max_model_len or model_config.max_position_embeddings
-    num_tokens = args.max_num_batched_tokens or (
-        DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max(max_len, 2048))
+    num_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(args.enable_chunked_prefill, max_len)
     lens = [min(max_len, num_tokens - s) for s in range(0, num_tokens, max_len)]
     starts = [0]
     for n in lens:
@@ -102,12 +101,12 @@ def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: M
 
 
 def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                         model: Optional[nn.Module] = None) -> int:
+                         model: Optional[nn.Module] = None, tensor_parallel_size: int = 1) -> int:
     """Blocks of the KV pool: the override, else a byte budget (CPU) or free GPU memory (after
     profiling a full-budget forward of ``model`` when it is given)."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
-    per_block = kv_bytes_per_block(model_config, args.block_size, dtype)
+    per_block = kv_bytes_per_block(model_config, args.block_size, dtype, tensor_parallel_size)
     if args.kv_cache_memory_bytes is not None:
         budget = args.kv_cache_memory_bytes
     elif device.type == "cuda":
@@ -133,11 +132,13 @@ def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: to
     return int(num_blocks)
 
 
-def num_host_blocks(args: EngineArgs, model_config: ModelConfig, dtype: torch.dtype) -> int:
-    """Blocks of the host KV tier: kv_offload_bytes over the bytes of one block (0 = no tier)."""
+def num_host_blocks(args: EngineArgs, model_config: ModelConfig, dtype: torch.dtype,
+                    tensor_parallel_size: int = 1) -> int:
+    """Blocks of the host KV tier: kv_offload_bytes over the bytes of one block on one rank (0 = no tier)."""
     if not args.kv_offload_bytes:
         return 0
-    return max(args.kv_offload_bytes // kv_bytes_per_block(model_config, args.block_size, dtype), 1)
+    per_block = kv_bytes_per_block(model_config, args.block_size, dtype, tensor_parallel_size)
+    return max(args.kv_offload_bytes // per_block, 1)
 
 
 class ModelRunner:
@@ -162,7 +163,7 @@ class ModelRunner:
             host_shape = model.get_kv_cache_shape(num_host_blocks, block_size)
             pin = device.type == "cuda"
             self.host_kv_caches = [torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
-        self.bytes_per_block = kv_bytes_per_block(model_config, block_size, dtype)
+        self.bytes_per_block = kv_bytes_per_block(model_config, block_size, dtype, getattr(model, "tp_size", 1))
         self.bytes_moved = 0
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(generator=torch.Generator(device=device).manual_seed(seed))
@@ -198,8 +199,9 @@ class ModelRunner:
         self.copy_blocks(moves.copies)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run the forward pass; return float32 logits of the sampled rows (S, vocab).
+    def execute(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Run the forward pass; return float32 logits of the sampled rows (S, vocab) (None on
+        tensor-parallel ranks other than 0, which only help compute them).
         ``prev_token_ids``: the in-flight step's sampled tokens, for the batch's placeholder rows
         (copied device to device, so this step is queued without waiting for that one)."""
         if batch.fill_rows is not None:
@@ -225,6 +227,8 @@ class ModelRunner:
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
         """Forward and sampling of a prepared step, queued on the device (nothing waits for it)."""
         logits = self.execute(batch, prev.token_ids if prev is not None else None)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return AsyncModelRunnerOutput(batch.num_tokens)
         return self.sample(so, logits, batch.num_tokens, draft_probs or {})
 
     def _generator(self, e: ScheduledRequest) -> Optional[torch.Generator]:

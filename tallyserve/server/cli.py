@@ -6,17 +6,21 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tallyserve.cli import add_engine_args, engine_args_from
 
 logger = logging.getLogger("tallyserve.server")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 GRACE_AFTER_DRAIN_S = 5.0  # for connections to flush their last bytes once the engine has stopped
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 def register(subparsers) -> None:
@@ -30,10 +34,22 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     p.add_argument("--stall-timeout", type=float, default=5.0,
                    help="/health fails when no step completes for this many seconds while work is pending")
+    p.add_argument("--slow-client-timeout", type=float, default=60.0,
+                   help="abort a stream (freeing its KV blocks) and close its connection when the client "
+                        "has not read for this many seconds (a send stays blocked by flow control)")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="expose POST /debug/fault (tests only)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="answer 413 to a request body larger than this, before reading it (default: "
+                        "4 MiB + 64 bytes per token of max_model_len)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="close a connection whose request headers are not complete this many seconds after it "
+                        f"opened or sent its first byte, so half-open connections never pile up (default: "
+                        f"{DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--disable-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true")
     add_engine_args(p)
@@ -90,23 +106,96 @@ def _validate(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
     if not ns.stall_timeout > 0:
         raise ValueError(f"--stall-timeout must be > 0, got {ns.stall_timeout}")
+    if not ns.slow_client_timeout > 0:
+        raise ValueError(f"--slow-client-timeout must be > 0, got {ns.slow_client_timeout}")
     if not ns.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
+    if not ns.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be > 0, got {ns.header_timeout}")
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers, which uvicorn lacks: a
+    connection that has not sent complete headers `header_timeout` seconds after it opened (or,
+    between keep-alive requests, after the next request's first byte) is closed, with a 408 if it
+    sent anything. The deadline is not extended by trickled bytes. Idle keep-alive connections
+    stay under uvicorn's own keep-alive timeout. See `header_timeout_protocol`."""
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    _header_timer: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # the request's headers are still incomplete
+            self._arm_header_timer()
+        else:
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # it sent part of a request: say why it is closed
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        self.logger.debug("closing a connection that sent no complete request headers in %ss", self.header_timeout)
+        self.transport.close()
+
+
+def header_timeout_protocol(seconds: float) -> type[HeaderTimeoutProtocol]:
+    """The protocol class to pass as uvicorn's `http=`, with this header timeout."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (as vLLM does): each connection is a file
+    descriptor, and at the limit accept() fails, so no new connection (not even /health) gets in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("could not raise the open-file limit (RLIMIT_NOFILE) from %d to %d: %s", soft, target, exc)
+        return
+    logger.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d", soft, target)
 
 
 def serve(ns: argparse.Namespace) -> int:
     _validate(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_file_limit()
     from tallyserve.engine.async_engine import AsyncLLMEngine
     from tallyserve.engine.llm_engine import LLMEngine
     from tallyserve.server.app import build_app
 
     engine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)), stall_timeout=ns.stall_timeout,
-                            max_queue_len=ns.max_queue_len)
-    app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection)
+                            max_queue_len=ns.max_queue_len, slow_client_timeout=ns.slow_client_timeout)
+    app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,
+                    max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                            http=header_timeout_protocol(ns.header_timeout),
                             access_log=not ns.disable_access_log, timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
                             lifespan="on")
     logger.info("serving %s at http://%s:%d/v1", engine.served_model_name, ns.host, ns.port)

@@ -77,6 +77,9 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
         self.http_errors = Counter("tallyserve_http_errors", "Error responses by HTTP status.", ["status"], registry=r)
+        self.slow_client_aborts = Counter("tallyserve_slow_client_aborts",
+                                          "Streams aborted because their client stopped reading "
+                                          "(a send blocked longer than the slow client timeout).", registry=r)
         self.prompt_tokens = Counter("tallyserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("tallyserve_generation_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram("tallyserve_time_to_first_token_seconds", "Time from arrival to the first token.",

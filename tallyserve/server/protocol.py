@@ -4,7 +4,9 @@ min_p, ignore_eos, min_tokens, stop_token_ids, use_beam_search, best_of, length_
 accepted too.
 
 Requests validate in strict mode, so a wrong JSON type ("5" for an integer, 1 for a boolean) is a
-400, never silently coerced. Unknown fields are ignored, as vLLM does."""
+400, never silently coerced. Unknown fields are ignored, as vLLM does. Every string in a request
+(nested ones and dict keys included) must be valid Unicode: a lone surrogate (a JSON escape such
+as \\ud800, or the bytes ED A0 80 that JSON decoding lets through) is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -12,13 +14,47 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic_core import PydanticCustomError
 
 # ----------------------------------------------------------------------------- requests
 
 
+_SCALARS = {int, float, bool, type(None)}
+
+
+def _has_invalid_unicode(value: Any) -> bool:
+    """Whether a string anywhere in `value` (a JSON value: lists, dicts and their keys, models)
+    holds a lone surrogate, which no tokenizer, regex or UTF-8 encoder accepts."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= _SCALARS:  # token ids: no per-item Python loop
+            return False
+        return any(_has_invalid_unicode(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_invalid_unicode(k) or _has_invalid_unicode(v) for k, v in value.items())
+    if isinstance(value, BaseModel):
+        return _has_invalid_unicode(dict(value))
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_invalid_unicode(value):
+            raise PydanticCustomError("invalid_unicode", "invalid Unicode (a lone surrogate such as \\ud800, "
+                                      "or bytes that are not UTF-8); send valid UTF-8 text")
+        return value
 
 
 class StreamOptions(_Request):
@@ -82,7 +118,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class FaultRequest(_Request):
-    kind: Literal["step_exception", "kill_loop", "stall"]
+    # handler_exception: the handler itself raises (an unexpected error, not an engine fault)
+    kind: Literal["step_exception", "kill_loop", "stall", "handler_exception"]
     seconds: Optional[float] = Field(default=1.0, ge=0, le=600)
 
 
@@ -220,3 +257,23 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class HealthResponse(_Response):
+    status: Literal["ok", "unhealthy"]
+    reason: Optional[str] = None
+    pending_requests: int
+    seconds_since_last_step: float
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Response):
+    """Every error the server returns: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo

@@ -1,27 +1,35 @@
-"""What completions and chat completions share: admission checks, sampling params, prompt checks,
-running engine requests (with metrics, merging and client-disconnect handling), SSE framing."""
+"""What completions and chat completions share: admission checks, sampling params, tokenization
+off the event loop, prompt checks, running engine requests (with metrics, merging and
+client-disconnect handling), SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import inspect
 import json
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, TypeVar
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from tallyserve.config import ContextLengthError, check_prompt_length
 from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestRejectedError,
                                             StepFailedError)
 from tallyserve.outputs import CompletionOutput, RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server import errors
-from tallyserve.server.errors import APIError, bad_request
+from tallyserve.server.errors import APIError, bad_request, quote
 from tallyserve.server.metrics import ServerMetrics
 from tallyserve.server.protocol import SamplingFields
 
+logger = logging.getLogger(__name__)
 MAX_N = 128  # OpenAI's limit on n
+INLINE_TOKENIZE_CHARS = 4000  # smaller texts are tokenized on the event loop; larger ones on a thread
 T = TypeVar("T")
 
 
@@ -32,6 +40,17 @@ class ServerContext:
     served_model_name: str
     api_key: Optional[str] = None
     enable_fault_injection: bool = False
+    # One worker with its own tokenizer copy: no tokenizer object is ever used by two threads.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tallyserve-tokenize"))
+    pool_tokenizer: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pool_tokenizer is None and self.engine.tokenizer is not None:
+            self.pool_tokenizer = copy.deepcopy(self.engine.tokenizer)
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ClientDisconnected(Exception):
@@ -43,8 +62,8 @@ class ClientDisconnected(Exception):
 
 def check_model(ctx: ServerContext, model: Optional[str]) -> None:
     if model is not None and model != ctx.served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves `{ctx.served_model_name}`.",
-                       errors.INVALID_REQUEST, "model", "model_not_found")
+        raise APIError(404, f"The model {quote(model)} does not exist. This server serves "
+                       f"{quote(ctx.served_model_name)}.", errors.INVALID_REQUEST, "model", "model_not_found")
 
 
 def check_admission(ctx: ServerContext) -> None:
@@ -55,8 +74,8 @@ def check_admission(ctx: ServerContext) -> None:
     if not engine.is_running:
         raise errors.unavailable(engine.health().reason, "engine_dead")
     if engine.max_queue_len is not None and engine.num_waiting() >= engine.max_queue_len:
-        raise APIError(429, f"too many requests waiting (max_queue_len is {engine.max_queue_len}); retry later",
-                       errors.RATE_LIMIT, None, "queue_full")
+        raise errors.rate_limited(f"too many requests waiting (max_queue_len is {engine.max_queue_len}); "
+                                  "retry later")
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -68,7 +87,7 @@ def check_unsupported(req: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
     n = 1 if req.n is None else req.n
     if n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+        raise bad_request(f"n must be at most {MAX_N}, got {quote(n)}", "n")
 
 
 def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
@@ -101,23 +120,43 @@ def _default(value: Optional[T], default: T) -> T:
 
 
 def check_prompt_ids(ctx: ServerContext, ids: list[int], params: Any, param: str) -> None:
-    """Range and length checks, so bad prompts are a 400 before they reach the engine. `params`:
+    """Length and range checks, so bad prompts are a 400 before they reach the engine. `params`:
     anything with `max_tokens` (SamplingParams, or beam search's BeamSpec)."""
     if not ids:
         raise bad_request("the prompt must not be empty", param)
+    max_tokens = params.max_tokens
+    try:  # length first: cheap, and it bounds the range scan below
+        check_prompt_length(len(ids), ctx.engine.max_model_len)
+    except ContextLengthError as exc:
+        raise bad_request(str(exc), param, "context_length_exceeded") from exc
     vocab = ctx.engine.vocab_size
-    for t in ids:
+    for t in (min(ids), max(ids)):
         if not 0 <= t < vocab:
-            raise bad_request(f"prompt token id {t} is out of range [0, {vocab})", param)
-    limit = ctx.engine.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                          f"{len(ids)} tokens; it must be shorter.", param, "context_length_exceeded")
-    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
-                          "for the completion). Please reduce the prompt or the completion length.",
-                          "max_tokens", "context_length_exceeded")
+            raise bad_request(f"prompt token id {quote(t)} is out of range [0, {vocab})", param)
+    try:
+        check_prompt_length(len(ids), ctx.engine.max_model_len, max_tokens)
+    except ContextLengthError as exc:
+        raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from exc
+
+
+def text_size(value: Any) -> int:
+    """Characters in all the strings of a JSON value (the cost of tokenizing it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(text_size(v) for v in value if isinstance(v, (str, list, tuple, dict)))
+    if isinstance(value, dict):
+        return sum(text_size(v) for v in value.values())
+    return 0
+
+
+async def tokenize(ctx: ServerContext, size: int, fn: Callable[[Any], T]) -> T:
+    """`fn(tokenizer)` (an encode or a chat template): inline for up to INLINE_TOKENIZE_CHARS
+    characters of input (`size`), else on the server's one tokenizer thread with that thread's own
+    tokenizer copy, so a megabyte prompt never blocks the event loop (and so /health)."""
+    if size <= INLINE_TOKENIZE_CHARS or ctx.pool_tokenizer is None:
+        return fn(ctx.engine.tokenizer)
+    return await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, fn, ctx.pool_tokenizer)
 
 
 # ----------------------------------------------------------------------------- running
@@ -145,7 +184,8 @@ async def tracked(ctx: ServerContext, request_id: str, prompt: dict, params: Sam
 
 async def merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several engine requests as they come, tagged with the index of their request.
-    Closing this iterator closes (and so aborts) every request still running."""
+    Closing this iterator closes (and so aborts) every request still running. Bounded: a consumer
+    that stops reading holds at most len(gens) outputs here; the engine's streams coalesce the rest."""
     if len(gens) == 1:
         try:
             async for out in gens[0]:
@@ -153,15 +193,15 @@ async def merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
         finally:
             await gens[0].aclose()
         return
-    q: asyncio.Queue = asyncio.Queue()
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in gen:
-                q.put_nowait((i, out, None))
-            q.put_nowait((i, None, None))
+                await q.put((i, out, None))  # blocks while the consumer is behind: the stream coalesces
+            await q.put((i, None, None))
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-            q.put_nowait((i, None, exc))
+            await q.put((i, None, exc))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
@@ -260,7 +300,7 @@ def engine_errors(step_failures: bool = True) -> Iterator[None]:
     except EngineDeadError as exc:
         raise errors.unavailable(str(exc), "engine_dead") from exc
     except QueueFullError as exc:
-        raise APIError(429, f"{exc}; retry later", errors.RATE_LIMIT, None, "queue_full") from exc
+        raise errors.rate_limited(f"{exc}; retry later") from exc
     except StepFailedError as exc:
         if not step_failures:
             raise
@@ -311,7 +351,7 @@ def stream_error_event(exc: BaseException) -> str:
     elif isinstance(exc, EngineDeadError):
         err = errors.unavailable(str(exc), "engine_dead")
     elif isinstance(exc, QueueFullError):
-        err = APIError(429, f"{exc}; retry later", errors.RATE_LIMIT, None, "queue_full")
+        err = errors.rate_limited(f"{exc}; retry later")  # in-band: the Retry-After header is already past
     else:
         err = APIError(500, f"{type(exc).__name__}: {exc}", errors.SERVER_ERROR, None, "internal_error")
     return sse(err.body())
@@ -319,7 +359,12 @@ def stream_error_event(exc: BaseException) -> str:
 
 class SSEResponse(StreamingResponse):
     """A server-sent-events stream whose body iterator is always closed, so a disconnected
-    client's requests are aborted at once instead of whenever the generator is collected."""
+    client's requests are aborted at once instead of whenever the generator is collected.
+
+    A client that stops reading is cut off: when one `send` stays blocked (uvicorn's flow control
+    holds it while the client does not read) longer than the engine's `slow_client_timeout`, the
+    body iterator is closed (its requests are aborted and their KV blocks freed), the connection is
+    closed and `tallyserve_slow_client_aborts_total` counts it."""
 
     media_type = "text/event-stream"
 
@@ -327,7 +372,72 @@ class SSEResponse(StreamingResponse):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
+        ctx = _server_context(scope)
+        timeout = getattr(ctx.engine, "slow_client_timeout", None) if ctx is not None else None
+        if timeout:
+            send = _SlowClientGuard(self, send, timeout, ctx.metrics).send
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+class SlowClientError(Exception):
+    """A streaming client did not read for the slow client timeout (its connection could not be
+    closed directly, so the response fails and the server closes it)."""
+
+
+class _SlowClientGuard:
+    """Wraps an SSE response's `send` with the slow client timeout; see SSEResponse."""
+
+    def __init__(self, response: SSEResponse, send: Any, timeout: float, metrics: ServerMetrics) -> None:
+        self.response, self.inner, self.timeout, self.metrics = response, send, timeout, metrics
+        self.cut_off = False
+
+    async def send(self, message: dict) -> None:
+        if self.cut_off:
+            return  # the connection is gone: the rest of the response goes nowhere
+        try:
+            await asyncio.wait_for(self.inner(message), self.timeout)
+        except asyncio.TimeoutError:
+            await self._cut_off()
+
+    async def _cut_off(self) -> None:
+        self.cut_off = True
+        logger.warning("a streaming client did not read for %ss: aborting its request(s)", self.timeout)
+        self.metrics.slow_client_aborts.inc()
+        await self.response.body_iterator.aclose()  # aborts the engine requests: KV blocks return now
+        transport = _find_transport(self.inner)
+        if transport is None:
+            raise SlowClientError(f"the client did not read for {self.timeout}s")
+        transport.abort()  # close() would wait for the unread bytes to flush, i.e. forever
+
+
+def _server_context(scope) -> Optional[ServerContext]:
+    """The ServerContext of the app serving `scope` (build_app keeps it in app.state.ctx)."""
+    app = scope.get("app")
+    ctx = getattr(getattr(app, "state", None), "ctx", None)
+    return ctx if isinstance(ctx, ServerContext) else None
+
+
+def _find_transport(send: Any, max_depth: int = 12) -> Optional[asyncio.BaseTransport]:
+    """The connection's transport behind an ASGI `send`: uvicorn's `send` is a method of its
+    request-response cycle, which holds the transport; middlewares wrap it in closures. ASGI gives
+    no other way to drop a connection whose client does not read. None if not found."""
+    todo, seen = [(send, 0)], set()
+    while todo:
+        fn, depth = todo.pop()
+        if id(fn) in seen or depth > max_depth:
+            continue
+        seen.add(id(fn))
+        transport = getattr(getattr(fn, "__self__", None), "transport", None)
+        if isinstance(transport, asyncio.BaseTransport):
+            return transport
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inspect.isfunction(value) or inspect.ismethod(value):
+                todo.append((value, depth + 1))
+    return None

@@ -13,9 +13,9 @@ from typing import Awaitable, Optional
 from fastapi import Request
 
 from tallyserve.engine.async_engine import EngineDeadError, RequestRejectedError, StepFailedError
-from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from tallyserve.engine.beam_search import MAX_ABS_LENGTH_PENALTY, BeamSearchOutput, BeamSearchParams
 from tallyserve.outputs import CompletionOutput, RequestOutput
-from tallyserve.server.errors import bad_request
+from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.protocol import SamplingFields
 from tallyserve.server.serving import ServerContext, check_unsupported, engine_errors, until_disconnect
 
@@ -49,19 +49,20 @@ def beam_spec(req: SamplingFields, max_tokens: Optional[int], max_tokens_param: 
     check_unsupported(req)
     n = 1 if req.n is None else req.n
     if n < 1:
-        raise bad_request(f"n must be at least 1, got {n}", "n")
+        raise bad_request(f"n must be at least 1, got {quote(n)}", "n")
     width = n if req.best_of is None else req.best_of
     if width < n:
-        raise bad_request(f"best_of (the beam width) must be >= n, got best_of={width} and n={n}", "best_of")
+        raise bad_request(f"best_of (the beam width) must be >= n, got best_of={quote(width)} and n={quote(n)}",
+                          "best_of")
     if width > MAX_BEAMS_PER_CHOICE * n:
         raise bad_request(f"best_of (the beam width) may be at most {MAX_BEAMS_PER_CHOICE} times n, got "
-                          f"best_of={width} and n={n}", "best_of")
+                          f"best_of={quote(width)} and n={quote(n)}", "best_of")
     if req.stream:
         raise bad_request("stream=true is not supported with use_beam_search: beam search only knows its "
                           "best sequences when the search ends; send stream=false", "stream", "unsupported_parameter")
     if req.temperature not in (None, 0):
         raise bad_request(f"beam search is deterministic: temperature must be 0 or unset with use_beam_search, "
-                          f"got {req.temperature}", "temperature")
+                          f"got {quote(req.temperature)}", "temperature")
     if logprobs:
         raise _unsupported("logprobs", "logprobs")
     if req.stop:
@@ -72,10 +73,11 @@ def beam_spec(req: SamplingFields, max_tokens: Optional[int], max_tokens_param: 
     if req.min_tokens:
         raise _unsupported("min_tokens", "min_tokens")
     penalty = 1.0 if req.length_penalty is None else req.length_penalty
-    if not math.isfinite(penalty):
-        raise bad_request(f"length_penalty must be a finite number, got {penalty}", "length_penalty")
+    if not (math.isfinite(penalty) and abs(penalty) <= MAX_ABS_LENGTH_PENALTY):
+        raise bad_request(f"length_penalty must be a finite number in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                          f"{MAX_ABS_LENGTH_PENALTY:g}], got {quote(penalty)}", "length_penalty")
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+        raise bad_request(f"{max_tokens_param} must be at least 1, got {quote(max_tokens)}", max_tokens_param)
     return BeamSpec(n, width, max_tokens, bool(req.ignore_eos), float(penalty), bool(req.include_stop_str_in_output))
 
 

@@ -10,15 +10,17 @@ from fastapi.responses import JSONResponse
 
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
-from tallyserve.server.errors import bad_request
+from tallyserve.server.errors import QUOTE_LIMIT, bad_request, clip, quote
 from tallyserve.server.logprobs import chat_logprobs
 from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
                                        check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
-                                       sampling_params, sse, stream_error_event, tracked)
+                                       sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
+
+MESSAGE_QUOTE_CHARS = QUOTE_LIMIT + 200  # a chat template error: its own words plus what it quotes
 
 
 def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[SamplingParams, BeamSpec]:
@@ -34,7 +36,7 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[Samp
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top = req.top_logprobs or 0
     if req.logprobs and not 0 <= top <= min(20, ctx.engine.max_logprobs):
-        raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {top}",
+        raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {quote(top)}",
                           "top_logprobs")
     alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if req.use_beam_search:
@@ -42,20 +44,22 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[Samp
     return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias)
 
 
-def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    tok = ctx.engine.tokenizer
-    if tok is None:
+async def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """The chat template's token ids (large conversations are rendered off the event loop)."""
+    if ctx.engine.tokenizer is None:
         raise bad_request("this model has no tokenizer, so it has no chat template; use /v1/completions "
                           "with token ids", "messages")
+    messages, add = req.messages, req.add_generation_prompt is not False
     try:
-        return tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt is not False)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from exc
+        return await tokenize(ctx, text_size(messages),
+                              lambda tok: tok.apply_chat_template(messages, add_generation_prompt=add))
+    except ValueError as exc:  # its message may quote the messages: keep it short
+        raise bad_request(clip(str(exc), MESSAGE_QUOTE_CHARS), "messages") from exc
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     params = _check_request(ctx, req)
-    ids = _prompt_ids(ctx, req)
+    ids = await _prompt_ids(ctx, req)
     check_prompt_ids(ctx, ids, params, "messages")
     if isinstance(params, BeamSpec):
         check_beam_fits(ctx, params, len(ids))

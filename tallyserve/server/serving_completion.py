@@ -11,13 +11,13 @@ from fastapi.responses import JSONResponse
 
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
-from tallyserve.server.errors import bad_request
+from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
 from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo, now, random_id)
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
                                        check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
-                                       sampling_params, sse, stream_error_event, tracked)
+                                       sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
@@ -35,14 +35,15 @@ class _Prompt:
         return tok.decode(self.ids, skip_special_tokens=False) if tok is not None else ""
 
 
-def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
-    """str | list[str] | list[int] | list[list[int]] -> prompts with token ids."""
+async def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
+    """str | list[str] | list[int] | list[list[int]] -> prompts with token ids (large texts are
+    tokenized off the event loop)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else prompt
-        tok = ctx.engine.tokenizer
-        if tok is None:
+        if ctx.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        items = [_Prompt(t, tok.encode(t)) for t in texts]
+        ids = await tokenize(ctx, text_size(texts), lambda tok: [tok.encode(t) for t in texts])
+        items = [_Prompt(t, i) for t, i in zip(texts, ids)]
     elif prompt and isinstance(prompt[0], int):
         items = [_Prompt(None, list(prompt))]
     else:
@@ -63,13 +64,13 @@ def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[Sampling
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
     if req.logprobs is not None and req.logprobs > ctx.engine.max_logprobs:
-        raise bad_request(f"logprobs must be at most {ctx.engine.max_logprobs}, got {req.logprobs}", "logprobs")
+        raise bad_request(f"logprobs must be at most {ctx.engine.max_logprobs}, got {quote(req.logprobs)}", "logprobs")
     return sampling_params(req, req.max_tokens, req.logprobs)
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     params = _check_request(ctx, req)
-    prompts = _prompts(ctx, req.prompt)
+    prompts = await _prompts(ctx, req.prompt)
     for p in prompts:
         check_prompt_ids(ctx, p.ids, params, "prompt")
         if isinstance(params, BeamSpec):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tallyserve.core.sched_output import SchedulerOutput
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 
 BF16_BYTES = 2
 
@@ -29,7 +29,7 @@ class HardwareSpec:
     host_bandwidth: float = 50e9  # device <-> host copies (PCIe Gen5 x16, achieved)
 
 
-# Measured on the H200 machines (DESIGN.md): ~700 TFLOP/s bf16 matmul, ~4.27 TB/s copy, 141 GB.
+# Measured on the H200 machines (docs/benchmarks.md): ~700 TFLOP/s bf16 matmul, ~4.27 TB/s copy, 141 GB.
 HARDWARE = {"h200": HardwareSpec("h200", 700e12, 4.27e12, 141e9)}
 
 
@@ -80,7 +80,7 @@ class ModelShape:
             lm_head_params=vocab,
             embed_params=0 if mc.tie_word_embeddings else vocab,
             attn_flops_per_pair=4 * mc.num_hidden_layers * q * d,
-            kv_bytes_per_token=2 * mc.num_hidden_layers * kv * d * BF16_BYTES,
+            kv_bytes_per_token=kv_bytes_per_token(mc, BF16_BYTES),
         )
 
     @property

@@ -107,18 +107,22 @@ def test_rejections_and_step_failure(tiny_model_dir):
 
 
 def test_queue_limit(tiny_model_dir):
-    eng = _engine(tiny_model_dir, max_queue_len=2)
+    """max_queue_len caps requests waiting in the scheduler; requests the loop has not picked up
+    count only once they have sat in its inbox for the stall window (so a stuck loop fills up)."""
+    eng = _engine(tiny_model_dir, max_queue_len=2, stall_timeout=0.5)
 
     async def run():
-        eng.inject_fault(FaultKind.STALL, 1.0)
+        eng.inject_fault(FaultKind.STALL, 2.0)
         first = asyncio.create_task(_final(eng, "a", PROMPTS[0]))
-        await asyncio.sleep(0.3)  # "a" is in its first (sleeping) step: until it ends, "a" counts as waiting
-        queued = asyncio.create_task(_final(eng, "b", PROMPTS[1]))
+        await asyncio.sleep(0.2)  # "a" is in its first (sleeping) step; the loop picks up nothing now
+        queued = [asyncio.create_task(_final(eng, rid, p)) for rid, p in (("b", PROMPTS[1]), ("c", PROMPTS[2]))]
         await asyncio.sleep(0.05)
-        assert eng.num_waiting() == 2
+        assert eng.num_waiting() == 0  # just submitted: the loop may yet pick them up
+        await asyncio.sleep(0.6)
+        assert eng.num_waiting() == 2  # in the inbox for longer than the stall window
         with pytest.raises(QueueFullError):
-            await _final(eng, "c", PROMPTS[2])
-        return await asyncio.gather(first, queued)
+            await _final(eng, "d", PROMPTS[2])
+        return await asyncio.gather(first, *queued)
 
     try:
         outs = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
@@ -167,15 +171,15 @@ def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
         eng.inject_fault(FaultKind.STEP_EXCEPTION)
         with pytest.raises(StepFailedError):
             await eng.beam_search("fails", PROMPTS[0], BEAM)
-        eng.inject_fault(FaultKind.STALL, 1.0)
+        eng.inject_fault(FaultKind.STALL, 2.0)
         first = asyncio.create_task(eng.beam_search("q1", PROMPTS[1], BEAM))
-        await asyncio.sleep(0.3)  # in its first (sleeping) step: the group counts as waiting
-        queued = asyncio.create_task(eng.beam_search("q2", PROMPTS[2], BEAM))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # in its first (sleeping) step: the loop picks up nothing now
+        queued = [asyncio.create_task(eng.beam_search(rid, PROMPTS[2], BEAM)) for rid in ("q2", "q3")]
+        await asyncio.sleep(1.1)  # in the inbox for longer than the stall window: they count as waiting
         assert eng.num_waiting() == 2
         with pytest.raises(QueueFullError):
             await eng.beam_search("over", PROMPTS[2], BEAM)
-        await asyncio.gather(first, queued)
+        await asyncio.gather(first, *queued)
         cancelled = asyncio.create_task(eng.beam_search("gone", PROMPTS[0], LONG_BEAM))
         await _until_running(eng)
         cancelled.cancel()  # what a client disconnect does
@@ -196,3 +200,30 @@ def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
     with pytest.raises(EngineDeadError):
         asyncio.run(asyncio.wait_for(eng.beam_search("late", PROMPTS[0], BEAM), TIMEOUT_S))
     eng.shutdown()
+
+
+def test_a_request_that_breaks_admission_fails_alone(tiny_model_dir, monkeypatch):
+    """An unexpected exception while adding one request (not a ValueError) ends that request with an
+    error; the loop lives on and serves the next request."""
+    eng = _engine(tiny_model_dir)
+    real = eng.engine.add_request
+
+    def flaky(request_id, prompt, params, *a, **k):
+        if request_id == "bad":
+            raise TypeError("unexpected type deep in the tokenizer")
+        return real(request_id, prompt, params, *a, **k)
+
+    monkeypatch.setattr(eng.engine, "add_request", flaky)
+
+    async def run(rid):
+        outs = [o async for o in eng.generate(rid, {"prompt_token_ids": [5, 6, 7]},
+                                              SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))]
+        return outs[-1]
+
+    try:
+        with pytest.raises(StepFailedError, match="TypeError"):
+            asyncio.run(run("bad"))
+        assert eng.is_running and eng.health().healthy
+        assert len(asyncio.run(run("good")).outputs[0].token_ids) == 3
+    finally:
+        eng.shutdown()

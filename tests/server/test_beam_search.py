@@ -86,6 +86,10 @@ BAD = [
     ("stop", "/v1/completions", {**GOOD, "stop": ["\n"]}, "stop"),
     ("stop (chat)", "/v1/chat/completions", {**CHAT, "stop": "x"}, "stop"),
     ("length_penalty as string", "/v1/completions", {**GOOD, "length_penalty": "1"}, "length_penalty"),
+    # Each of these once reached beam scoring, raised there and killed the engine loop for good.
+    ("length_penalty 1e308", "/v1/completions", {**GOOD, "best_of": 2, "length_penalty": 1e308}, "length_penalty"),
+    ("length_penalty 2000", "/v1/completions", {**GOOD, "best_of": 2, "length_penalty": 2000}, "length_penalty"),
+    ("length_penalty -1e308 (chat)", "/v1/chat/completions", {**CHAT, "length_penalty": -1e308}, "length_penalty"),
     ("more beams than the KV cache holds", "/v1/completions", {**GOOD, "best_of": 64, "max_tokens": 400}, "best_of"),
     ("best_of without beam search", "/v1/completions", {**GOOD, "use_beam_search": False, "best_of": 2}, "best_of"),
 ]
@@ -101,6 +105,10 @@ def test_bad_beam_search_requests_are_openai_400s(server):
             assert err["type"] == "invalid_request_error" and err["param"] == param, (name, err)
         r = http.post("/v1/completions", json={**GOOD, "stop": "x"})
         assert "stop strings are not supported with use_beam_search" in r.json()["error"]["message"]
+        # The loop is alive: a valid beam search right after still answers, and health is green.
+        ok = http.post("/v1/completions", json={**GOOD, "best_of": 2, "length_penalty": 10})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == GOOD.get("n", 1)
+        assert http.get("/health").status_code == 200
 
 
 def test_client_disconnect_cancels_the_group_and_frees_blocks(server):

@@ -103,12 +103,17 @@ def test_stalled_loop_fails_health_then_recovers(server, expected):
 
 
 def test_queue_over_max_len_gets_429(server, expected):
-    _fault(server.base_url, kind="stall", seconds=2.0)
+    _fault(server.base_url, kind="stall", seconds=3.0)
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             first = asyncio.create_task(client.post("/v1/completions", json=GOOD))
-            await asyncio.sleep(0.5)  # its step is now sleeping; the next ones queue up
+            # Requests the loop has not picked up count toward max_queue_len only once they have
+            # waited for the stall window, or while /health says stalled (a burst against a healthy
+            # loop is admitted): wait until its step has stalled, then the next ones fill the queue.
+            deadline = time.monotonic() + 2.5
+            while (await client.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             rest = [asyncio.create_task(client.post("/v1/completions", json=GOOD)) for _ in range(MAX_QUEUE_LEN + 3)]
             return [await first] + [await t for t in rest]
 

@@ -1,0 +1,139 @@
+"""A tensor-parallel worker: one process per rank, holding that rank's model shard, KV cache and
+(on rank 0) the sampler.
+
+Rank 0 talks to the engine through a pipe; every message it gets is broadcast to the other ranks
+with one collective (`broadcast_object_list` over a gloo group, so it also reaches ranks on other
+machines), every rank runs it, and only rank 0 answers. Messages:
+
+  ("step", SchedulerOutput, KVTransfers, draft_probs) -> ("ok", num_forward_tokens, ModelRunnerOutput | None)
+  ("transfers", KVTransfers)                         -> ("ok", 0, None)
+  ("shutdown",)                                      -> the worker exits
+
+A step that fails the same way on every rank (a ledger mismatch, a bad batch) answers
+("error", exception type name, message); a rank that fails alone leaves the others in a collective until its timeout,
+which rank 0 then reports, and the engine declares the executor dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from tallyserve.core import ledger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs to build its shard (picklable: sent to spawned processes)."""
+
+    args: Any  # EngineArgs
+    rank: int
+    init_method: str
+    device: str  # "cpu" or "cuda:N" (the local GPU of this rank)
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    num_threads: int
+
+
+def _init(spec: WorkerSpec):
+    """Join the group, load this rank's shard and size its KV pool (the smallest over ranks)."""
+    from tallyserve.attention.backend import get_attn_backend
+    from tallyserve.distributed import parallel_state as ps
+    from tallyserve.models.loader import load_model, resolve_model
+    from tallyserve.runner.model_runner import determine_num_blocks, num_host_blocks
+
+    args, device = spec.args, torch.device(spec.device)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.num_threads)
+    ps.init_tensor_parallel(args.tensor_parallel_size, spec.rank, spec.init_method,
+                            timeout_s=args.worker_timeout, device=device)
+    group = ps.get_tp_group() if ps.default_backend(device) == "gloo" else dist.new_group(backend="gloo")
+    resolved = resolve_model(args.model, args.load_format)
+    torch.manual_seed(args.seed)
+    model = load_model(resolved, args.load_format, spec.dtype, device, args.seed, get_attn_backend("auto", device),
+                       tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
+    if device.type == "cuda":
+        model.enable_fused_kernels()
+    blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, spec.dtype, model,
+                                                args.tensor_parallel_size)], dtype=torch.int64)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)
+    host_blocks = num_host_blocks(args, resolved.model_config, spec.dtype, args.tensor_parallel_size) \
+        if args.enable_prefix_caching else 0
+    return resolved, model, int(blocks.item()), host_blocks, group
+
+
+def _build_runner(spec: WorkerSpec, resolved, model, config):
+    from tallyserve.runner.model_runner import ModelRunner
+
+    sc, cc = config.scheduler_config, config.cache_config
+    return ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, torch.device(spec.device),
+                       spec.dtype, cc.num_host_blocks, use_cuda_graph=not spec.args.enforce_eager,
+                       max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
+                       eos_token_ids=spec.eos_token_ids, seed=spec.args.seed)
+
+
+def _run_step(runner, rank: int, msg: tuple) -> tuple:
+    kind = msg[0]
+    if kind == "transfers":
+        runner.apply_transfers(msg[1])
+        return ("ok", 0, None)
+    _, so, transfers, draft_probs = msg
+    runner.apply_transfers(transfers)
+    batch = runner.prepare(so, None)
+    ledger.check_step(so.total_tokens, batch.num_tokens, so.max_num_batched_tokens)  # every rank, same answer
+    handle = runner.launch(so, batch, None, draft_probs)
+    return ("ok", batch.num_tokens, handle.result() if rank == 0 else None)
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """Entry point of a worker process (``conn``: rank 0's pipe to the engine, None elsewhere)."""
+    logging.basicConfig(level=os.environ.get("TALLYSERVE_WORKER_LOG_LEVEL", "WARNING"))
+    rank = spec.rank
+    try:
+        resolved, model, num_blocks, host_blocks, group = _init(spec)
+        config = None
+        if rank == 0:
+            conn.send(("sized", num_blocks, host_blocks))
+            config = conn.recv()
+        box = [config]
+        dist.broadcast_object_list(box, src=0, group=group)
+        runner = _build_runner(spec, resolved, model, box[0])
+        if rank == 0:
+            conn.send(("ready",))
+    except BaseException as exc:  # noqa: BLE001 - tell the engine why, then exit
+        if conn is not None:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+    _serve(runner, rank, conn, group)
+
+
+def _serve(runner, rank: int, conn, group) -> None:
+    while True:
+        box: list[Optional[tuple]] = [None]
+        if rank == 0:
+            try:
+                box[0] = conn.recv()
+            except (EOFError, OSError):  # the engine is gone: take the other ranks down with us
+                box[0] = ("shutdown",)
+        dist.broadcast_object_list(box, src=0, group=group)
+        msg = box[0]
+        if msg[0] == "shutdown":
+            break
+        try:
+            reply = _run_step(runner, rank, msg)
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: a failed step, not a dead worker
+            logger.error("rank %d: step failed", rank, exc_info=exc)
+            reply = ("error", type(exc).__name__, str(exc))
+        if rank == 0:
+            conn.send(reply)
+    from tallyserve.distributed import parallel_state as ps
+
+    ps.destroy()
