@@ -182,9 +182,44 @@ def raise_open_file_limit() -> None:
     logger.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d", soft, target)
 
 
+def serve_worker_node(ns: argparse.Namespace) -> int:
+    """`--node-rank R > 0`: run this node's tensor-parallel workers only (node 0 runs the scheduler
+    and the server); return when they exit (node 0 shut down) or on SIGTERM / Ctrl-C."""
+    from tallyserve.executor.multiproc import init_method, spawn_workers
+    from tallyserve.models.llama import check_tensor_parallel
+    from tallyserve.models.loader import resolve_model
+    from tallyserve.runner.model_runner import resolve_device, resolve_dtype
+
+    args = engine_args_from(ns)
+    args.validate()
+    resolved = resolve_model(args.model, args.load_format)
+    check_tensor_parallel(resolved.model_config, args.tensor_parallel_size)
+    device = resolve_device(args.device)
+    eos = tuple(resolved.model_config.eos_token_ids)  # only rank 0 (on node 0) samples
+    procs, _ = spawn_workers(args, device, resolve_dtype(args.dtype, device), eos, init_method(args))
+    logger.info("node %d: running tensor-parallel ranks %s for %s", args.node_rank,
+                [p.name for p in procs], args.dist_init_addr)
+
+    def stop(sig: int, _frame) -> None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    for p in procs:
+        p.join()
+    bad = [p for p in procs if p.exitcode not in (0, -signal.SIGTERM)]
+    for p in bad:
+        logger.error("worker %s exited with code %s", p.name, p.exitcode)
+    return 1 if bad else 0
+
+
 def serve(ns: argparse.Namespace) -> int:
     _validate(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (ns.node_rank or 0) > 0:
+        return serve_worker_node(ns)
     raise_open_file_limit()
     from tallyserve.engine.async_engine import AsyncLLMEngine
     from tallyserve.engine.llm_engine import LLMEngine

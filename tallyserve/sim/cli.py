@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from tallyserve.bench.workloads import add_workload_args, workload_from_args
@@ -42,32 +43,47 @@ def load_model_config(name: str) -> ModelConfig:
 
 
 def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
-    """The override, else (device memory x gpu_memory_utilization - bf16 weights) / bf16 block."""
+    """The override, else per rank: (device memory x gpu_memory_utilization - the rank's bf16
+    weights, about weights / tensor_parallel_size) / the rank's bf16 block (`kv_bytes_per_token`
+    at tensor_parallel_size, as the runner sizes its pool). kv_cache_memory_bytes is per rank too."""
     from tallyserve.sim.cost_model import ModelShape
 
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
-    shape = ModelShape.of(mc)
+    tp = args.tensor_parallel_size
+    shape = ModelShape.of(mc, tp)
     per_block = shape.kv_bytes_per_token * args.block_size
     budget = args.kv_cache_memory_bytes or int(mem_bytes * args.gpu_memory_utilization) - shape.weight_bytes
     if budget < per_block:
-        raise ValueError(f"the bf16 weights ({shape.weight_bytes / 1e9:.1f} GB) leave no room for a KV block")
+        where = f"per GPU at tensor_parallel_size {tp}" if tp > 1 else "on one GPU"
+        raise ValueError(f"the bf16 weights ({shape.weight_bytes / 1e9:.1f} GB {where}) leave no room for a KV "
+                         f"block in {mem_bytes * args.gpu_memory_utilization / 1e9:.1f} GB (memory x "
+                         f"gpu_memory_utilization); raise --tensor-parallel-size or gpu_memory_utilization")
     return int(budget // per_block)
 
 
 def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
-    """Blocks of the host KV tier: kv_offload_bytes over one bf16 block (0: no tier)."""
+    """Blocks of the host KV tier: kv_offload_bytes over one bf16 block of one rank (0: no tier)."""
     from tallyserve.sim.cost_model import ModelShape
 
     if not args.kv_offload_bytes or not args.enable_prefix_caching:
         return 0
-    return max(args.kv_offload_bytes // (ModelShape.of(mc).kv_bytes_per_token * args.block_size), 1)
+    per_block = ModelShape.of(mc, args.tensor_parallel_size).kv_bytes_per_token * args.block_size
+    return max(args.kv_offload_bytes // per_block, 1)
 
 
 def engine_config_for(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> EngineConfig:
+    """ValueError for bad arguments, a tensor_parallel_size the model cannot be split over
+    (check_tensor_parallel, as the engine checks it), or weights that leave no KV block."""
+    from tallyserve.models.llama import check_tensor_parallel
+
     args.validate()
     if getattr(args, "speculative_config", None) is not None:
         raise ValueError("simulate does not model speculative decoding (drafts) yet; drop --speculative-config")
+    check_tensor_parallel(mc, args.tensor_parallel_size)
+    if args.tensor_parallel_size > 1 and args.async_scheduling is None:
+        # The engine steps synchronously under tensor parallelism (MultiprocExecutor.overlaps_host).
+        args = dataclasses.replace(args, async_scheduling=False)
     return args.resolve(mc, num_sim_blocks(args, mc, mem_bytes), num_sim_host_blocks(args, mc))
 
 
@@ -90,8 +106,11 @@ def _cmd_simulate(ns: argparse.Namespace) -> int:
     if name is None:
         raise ValueError("simulate needs --model-config (a preset, a config.json or a model directory)")
     mc = load_model_config(name)
-    cost = load_cost_model(ns.hardware, mc)
     args = engine_args_from(ns)
+    tp = args.tensor_parallel_size
+    link = ns.link_bandwidth_gbs * 1e9 if ns.link_bandwidth_gbs is not None else None
+    latency = ns.collective_latency_us * 1e-6 if ns.collective_latency_us is not None else None
+    cost = load_cost_model(ns.hardware, mc, tp, link_bandwidth=link, collective_latency_s=latency)
     config = engine_config_for(args, mc, cost.mem_bytes)
     workload = workload_from_args(ns, seed=ns.seed or 0)
     opts = SimOptions(max_concurrency=ns.max_concurrency, integrity_every=ns.integrity_every,
@@ -101,10 +120,10 @@ def _cmd_simulate(ns: argparse.Namespace) -> int:
     sc, cc = config.scheduler_config, config.cache_config
     run_config = {
         "scenario": ns.scenario, "model_config": name, "hardware": ns.hardware, "cost_model": cost.name,
-        "max_concurrency": ns.max_concurrency, "workload": workload.options,
+        "tensor_parallel_size": tp, "max_concurrency": ns.max_concurrency, "workload": workload.options,
         "scheduler": sc.__dict__, "cache": cc.__dict__,
     }
-    extra = {"simulator": dict(res.stats, wall_s=round(res.wall_s, 3))}
+    extra = {"simulator": dict(res.stats, wall_s=round(res.wall_s, 3), **_tp_stats(cost, tp))}
     result = build_result("tallyserve simulate", run_config, res.records, res.duration_s, extra)
     print_report(result, title=f"tallyserve simulate: {workload.name} on {cost.name} (virtual time)")
     if ns.output:
@@ -112,6 +131,17 @@ def _cmd_simulate(ns: argparse.Namespace) -> int:
     if ns.plot:
         plot(result, res.records, ns.plot)
     return 0 if result["errors"] == 0 and res.stats["ledger"]["violations"] == 0 else 1
+
+
+def _tp_stats(cost, tp: int) -> dict:
+    """Tensor parallelism in the report: the size, and the share of the busy time in collectives."""
+    busy, comm = getattr(cost, "busy_s", 0.0), getattr(cost, "comm_s", 0.0)
+    out = {"tensor_parallel_size": tp, "comm_s": round(comm, 6), "comm_share": round(comm / busy, 6) if busy else 0.0}
+    hw = getattr(cost, "hw", None)
+    if tp > 1 and hw is not None:
+        out["link_bandwidth_gbs"] = round(hw.link_bandwidth / 1e9, 3)
+        out["collective_latency_us"] = round(hw.collective_latency_s * 1e6, 3)
+    return out
 
 
 def register(sub) -> None:
@@ -123,6 +153,12 @@ def register(sub) -> None:
                    help="named scenario: defaults for every flag not given")
     p.add_argument("--model-config", default=None, help="preset name, config.json, or model directory")
     p.add_argument("--hardware", default="h200", help="h200, a hardware JSON, or a profile JSON")
+    p.add_argument("--link-bandwidth-gbs", type=float, default=None,
+                   help="tensor parallelism: GPU-to-GPU all-reduce bus bandwidth in GB/s (default: the hardware's, "
+                        "360 for the H200's NVLink)")
+    p.add_argument("--collective-latency-us", type=float, default=None,
+                   help="tensor parallelism: fixed cost of one collective in microseconds (default: the hardware's, "
+                        "15 for the H200)")
     p.add_argument("--max-concurrency", type=int, default=None, help="client side: most requests in flight")
     p.add_argument("--integrity-every", type=int, default=None,
                    help="steps between KV integrity checks (default: adaptive, about 10%% of the wall time)")

@@ -2,13 +2,26 @@
 measured profile (`tallyserve profile`) interpolated over (batch size, new tokens, context).
 
 Inputs are the numbers the ledger charged for the step (`StepShape`), nothing else.
+
+Tensor parallelism (`tensor_parallel_size` N, the roofline only): every rank runs its shard at
+the same time, so a step costs one rank's compute and memory traffic plus the collectives, which
+nothing overlaps. A rank's shard follows tallyserve/models (Megatron): q/k/v and gate/up
+column-parallel, o_proj and down_proj row-parallel, embed_tokens and lm_head vocab-parallel
+(ceil(vocab / N) rows each), so its matmul FLOPs and weight bytes are 1/N of the model's; its
+query heads are 1/N (attention FLOPs / N) and its KV heads num_kv_heads / N, or one replicated
+head when num_kv_heads < N (`kv_bytes_per_token`, shared with the runner). Communication per
+step, as the model issues it: one all-reduce after the vocab-parallel embedding and two per layer
+(after o_proj and down_proj), each of num_tokens x hidden x 2 bytes (bf16), priced as a ring,
+2 (N - 1) / N x bytes / link_bandwidth + collective_latency_s; and one gather of the sampled
+rows' logits onto rank 0 (num_sampled x padded vocab x 2 bytes, bf16 before the float32 cast),
+(N - 1) / N x bytes / link_bandwidth + collective_latency_s.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -27,10 +40,24 @@ class HardwareSpec:
     step_overhead_s: float = 1.0e-3  # launch / host work per step (CUDA graphs make it small)
     per_request_overhead_s: float = 1.0e-5  # per row of the batch (metadata, sampling)
     host_bandwidth: float = 50e9  # device <-> host copies (PCIe Gen5 x16, achieved)
+    # Tensor-parallel collectives between GPUs of one host: the bus bandwidth a ring all-reduce
+    # reaches (nccl-tests' busbw; 2 (N - 1) / N x bytes / link_bandwidth) and a fixed cost per
+    # collective (launch + NCCL's small-message latency). Defaults: H200 over NVLink 4 / NVSwitch.
+    # NVLink 4 is 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA's H200 SXM datasheet:
+    # 900 GB/s bidirectional). NCCL's ring algorithm reaches about 80% of that: nccl-tests
+    # all_reduce_perf reports a large-message busbw of about 360-370 GB/s on 8x H100/H200 SXM with
+    # NVLink SHARP (NVLS) off, as on this project's machines (NCCL_NVLS_ENABLE=0; with NVLS about
+    # 460-480 GB/s, above the ring's ceiling). Small all-reduces (decode: 16 KB per token at
+    # hidden 8192) take about 10-20 us over NVLink, latency-bound; 15 us is the middle of that range.
+    # Published figures, not measured here. Override with a hardware JSON ({"link_bandwidth": ...,
+    # "collective_latency_s": ...}) or `simulate --link-bandwidth-gbs / --collective-latency-us`.
+    link_bandwidth: float = 360e9
+    collective_latency_s: float = 15e-6
 
 
 # Measured on the H200 machines (docs/benchmarks.md): ~700 TFLOP/s bf16 matmul, ~4.27 TB/s copy, 141 GB.
-HARDWARE = {"h200": HardwareSpec("h200", 700e12, 4.27e12, 141e9)}
+# NVLink figures: published (see HardwareSpec.link_bandwidth), not measured here.
+HARDWARE = {"h200": HardwareSpec("h200", 700e12, 4.27e12, 141e9, link_bandwidth=360e9, collective_latency_s=15e-6)}
 
 
 @dataclass(frozen=True)
@@ -62,40 +89,96 @@ class StepShape:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """FLOP and byte counts of a decoder-only transformer, from its config."""
+    """FLOP and byte counts of a decoder-only transformer, from its config: those of one
+    tensor-parallel rank (its shard of the weights, its heads) when tensor_parallel_size > 1."""
 
     linear_params: int  # q, k, v, o and MLP weights of all layers
     lm_head_params: int
     embed_params: int
     attn_flops_per_pair: int  # QK^T and PV, all layers and heads
     kv_bytes_per_token: int  # K and V of all layers, bf16
+    tensor_parallel_size: int = 1
+    hidden_size: int = 0
+    num_layers: int = 0
+    padded_vocab: int = 0  # vocab rows over all ranks: ceil(vocab / N) x N
 
     @classmethod
-    def of(cls, mc: ModelConfig) -> "ModelShape":
-        h, q, kv, d = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-        per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * mc.intermediate_size
-        vocab = mc.vocab_size * h
+    def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1) -> "ModelShape":
+        """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks."""
+        from tallyserve.models.llama import check_tensor_parallel
+
+        tp = tensor_parallel_size
+        check_tensor_parallel(mc, tp)
+        h, q, kv, d = mc.hidden_size, mc.num_attention_heads // tp, mc.num_key_value_heads, mc.head_dim
+        kv = max(kv // tp, 1)  # one replicated KV head per rank when num_kv_heads < N
+        per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * (mc.intermediate_size // tp)
+        rows = -(-mc.vocab_size // tp)  # vocab_shard: ceil(vocab / N) rows per rank, zero-padded
+        vocab = rows * h
         return cls(
             linear_params=mc.num_hidden_layers * per_layer,
             lm_head_params=vocab,
             embed_params=0 if mc.tie_word_embeddings else vocab,
             attn_flops_per_pair=4 * mc.num_hidden_layers * q * d,
-            kv_bytes_per_token=kv_bytes_per_token(mc, BF16_BYTES),
+            kv_bytes_per_token=kv_bytes_per_token(mc, BF16_BYTES, tp),
+            tensor_parallel_size=tp,
+            hidden_size=h,
+            num_layers=mc.num_hidden_layers,
+            padded_vocab=rows * tp,
         )
 
     @property
     def weight_bytes(self) -> int:
+        """bf16 weights (of one rank under tensor parallelism)."""
         return BF16_BYTES * (self.linear_params + self.lm_head_params + self.embed_params)
+
+    @property
+    def num_all_reduces(self) -> int:
+        """Per forward pass: after the vocab-parallel embedding, and after o_proj and down_proj."""
+        return 2 * self.num_layers + 1 if self.tensor_parallel_size > 1 else 0
+
+
+def all_reduce_time(nbytes: float, tp: int, link_bandwidth: float, latency_s: float) -> float:
+    """A ring all-reduce of `nbytes` over `tp` ranks: 2 (N - 1) / N x bytes / bandwidth + latency."""
+    if tp <= 1:
+        return 0.0
+    return 2.0 * (tp - 1) / tp * nbytes / link_bandwidth + latency_s
+
+
+def gather_time(total_bytes: float, tp: int, link_bandwidth: float, latency_s: float) -> float:
+    """A (all-)gather of `total_bytes` (all ranks' parts together): (N - 1) / N x bytes / bandwidth + latency."""
+    if tp <= 1:
+        return 0.0
+    return (tp - 1) / tp * total_bytes / link_bandwidth + latency_s
 
 
 class RooflineCostModel:
-    """max(compute, memory) for the linear layers and for attention, plus per-step overheads."""
+    """max(compute, memory) for the linear layers and for attention (one rank's share under
+    tensor parallelism), plus the collectives and per-step overheads.
 
-    def __init__(self, model_config: ModelConfig, hw: HardwareSpec) -> None:
+    `busy_s` and `comm_s` add up every step priced (the simulator prices each step once), so
+    comm_s / busy_s is the share of the virtual time spent in communication."""
+
+    def __init__(self, model_config: ModelConfig, hw: HardwareSpec, tensor_parallel_size: int = 1) -> None:
         self.hw = hw
-        self.shape = ModelShape.of(model_config)
-        self.mem_bytes = hw.mem_bytes
-        self.name = f"roofline:{hw.name}"
+        self.shape = ModelShape.of(model_config, tensor_parallel_size)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.mem_bytes = hw.mem_bytes  # of one GPU (one rank)
+        self.name = f"roofline:{hw.name}" + (f"x{tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+        self.busy_s = 0.0
+        self.comm_s = 0.0
+
+    def comm_time(self, s: StepShape) -> float:
+        """The step's collectives: the all-reduces of the hidden states and the logits gather."""
+        hw, m = self.hw, self.shape
+        tp = m.tensor_parallel_size
+        if tp <= 1:
+            return 0.0
+        hidden_bytes = float(s.num_tokens) * m.hidden_size * BF16_BYTES
+        t = m.num_all_reduces * all_reduce_time(hidden_bytes, tp, hw.link_bandwidth, hw.collective_latency_s)
+        if s.num_sampled:
+            logits_bytes = float(s.num_sampled) * m.padded_vocab * BF16_BYTES
+            t += gather_time(logits_bytes, tp, hw.link_bandwidth, hw.collective_latency_s)
+        return t
 
     def step_time(self, s: StepShape) -> float:
         hw, m = self.hw, self.shape
@@ -105,8 +188,12 @@ class RooflineCostModel:
         attn_flops = float(m.attn_flops_per_pair) * s.attn_pairs
         kv_bytes = float(m.kv_bytes_per_token) * (s.context_tokens + s.num_tokens)  # read all, write new
         t_attn = max(attn_flops / hw.matmul_flops, kv_bytes / hw.mem_bandwidth)
-        return (t_lin + t_attn + transfer_time(m, hw.host_bandwidth, hw.mem_bandwidth, s)
-                + hw.step_overhead_s + hw.per_request_overhead_s * s.num_requests)
+        t_comm = self.comm_time(s)
+        t = (t_lin + t_attn + t_comm + transfer_time(m, hw.host_bandwidth, hw.mem_bandwidth, s)
+             + hw.step_overhead_s + hw.per_request_overhead_s * s.num_requests)
+        self.busy_s += t
+        self.comm_s += t_comm
+        return t
 
 
 def transfer_time(m: ModelShape, host_bandwidth: float, mem_bandwidth: float, s: StepShape) -> float:
@@ -181,21 +268,41 @@ class ProfileCostModel:
         return max(_lerp(along_e(bi), along_e(bi + nb), bf), 1e-7) + moves
 
 
-def load_cost_model(hardware: str, model_config: ModelConfig):
-    """`h200` (a roofline preset), a hardware JSON ({"matmul_flops", "mem_bandwidth", ...}), or a
-    profile JSON written by `tallyserve profile`."""
+def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_size: int = 1,
+                    link_bandwidth: Optional[float] = None, collective_latency_s: Optional[float] = None):
+    """`h200` (a roofline preset), a hardware JSON ({"matmul_flops", "mem_bandwidth", ...,
+    "link_bandwidth", "collective_latency_s"}), or a profile JSON written by `tallyserve profile`.
+    `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's. ValueError for
+    a tensor_parallel_size the model cannot be split over, or > 1 with a profile."""
+    from tallyserve.models.llama import check_tensor_parallel
+
+    check_tensor_parallel(model_config, tensor_parallel_size)
     if hardware in HARDWARE:
-        return RooflineCostModel(model_config, HARDWARE[hardware])
-    path = Path(hardware)
-    if not path.is_file():
-        raise ValueError(f"--hardware must be one of {sorted(HARDWARE)} or a JSON file, got {hardware!r}")
-    data = json.loads(path.read_text())
-    if "step_time_s" in data:
-        return ProfileCostModel(data, model_config)
-    try:
-        hw = HardwareSpec(**{"name": path.stem, **data})
-    except TypeError as exc:
-        raise ValueError(f"{hardware}: not a profile nor a hardware spec: {exc}") from None
-    if not (hw.matmul_flops > 0 and hw.mem_bandwidth > 0 and math.isfinite(hw.mem_bytes)):
-        raise ValueError(f"{hardware}: matmul_flops and mem_bandwidth must be > 0")
-    return RooflineCostModel(model_config, hw)
+        hw, source = HARDWARE[hardware], hardware
+    else:
+        path = Path(hardware)
+        if not path.is_file():
+            raise ValueError(f"--hardware must be one of {sorted(HARDWARE)} or a JSON file, got {hardware!r}")
+        data = json.loads(path.read_text())
+        if "step_time_s" in data:
+            if tensor_parallel_size != int(data.get("tensor_parallel_size", 1)):
+                raise ValueError(f"{hardware}: a profile holds step times measured at tensor_parallel_size "
+                                 f"{data.get('tensor_parallel_size', 1)}, not {tensor_parallel_size}; price tensor "
+                                 "parallelism with the roofline (--hardware h200 or a hardware JSON)")
+            return ProfileCostModel(data, model_config)
+        try:
+            hw, source = HardwareSpec(**{"name": path.stem, **data}), hardware
+        except TypeError as exc:
+            raise ValueError(f"{hardware}: not a profile nor a hardware spec: {exc}") from None
+        if not (hw.matmul_flops > 0 and hw.mem_bandwidth > 0 and math.isfinite(hw.mem_bytes)):
+            raise ValueError(f"{hardware}: matmul_flops and mem_bandwidth must be > 0")
+    if link_bandwidth is not None:
+        hw = replace(hw, link_bandwidth=float(link_bandwidth))
+    if collective_latency_s is not None:
+        hw = replace(hw, collective_latency_s=float(collective_latency_s))
+    if not (hw.link_bandwidth > 0 and math.isfinite(hw.link_bandwidth)):
+        raise ValueError(f"{source}: link_bandwidth must be a finite number > 0, got {hw.link_bandwidth!r}")
+    if not (hw.collective_latency_s >= 0 and math.isfinite(hw.collective_latency_s)):
+        raise ValueError(f"{source}: collective_latency_s must be a finite number >= 0, "
+                         f"got {hw.collective_latency_s!r}")
+    return RooflineCostModel(model_config, hw, tensor_parallel_size)
