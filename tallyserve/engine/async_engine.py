@@ -335,6 +335,10 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
         finally:
             self._fail_all(reason)
+            try:  # tensor-parallel workers go with the loop (no orphan processes)
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - already stopping; say so and go
+                logger.exception("shutting down the executor failed")
 
     def _loop(self) -> str:
         """Step while there is work; returns the reason it was asked to stop."""

@@ -32,6 +32,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also exit with this process)."""
+        self.engine.shutdown()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: Params = None,
                  use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (
