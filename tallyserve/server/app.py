@@ -21,11 +21,13 @@ from tallyserve.server import errors
 from tallyserve.server.errors import APIError, validation_message
 from tallyserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tallyserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                        CompletionRequest, CompletionResponse, ErrorResponse, FaultRequest,
-                                        HealthResponse, ModelCard, ModelList)
-from tallyserve.server.serving import ClientDisconnected, ServerContext
+                                        CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                        DetokenizeResponse, ErrorResponse, FaultRequest, HealthResponse, ModelCard,
+                                        ModelList, TokenizeRequest, TokenizeResponse)
+from tallyserve.server.serving import ClientDisconnected, ServerContext, check_model
 from tallyserve.server.serving_chat import create_chat_completion
 from tallyserve.server.serving_completion import create_completion
+from tallyserve.server.serving_tokenize import create_detokenize, create_tokenize
 
 logger = logging.getLogger(__name__)
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # docs, redoc, schema; /docs covers /docs/oauth2-redirect
@@ -219,12 +221,12 @@ async def _discard_body(receive) -> None:
 
 
 class APIKeyMiddleware:
-    """Pure ASGI middleware: /v1 and /debug (and the docs, when the app passes them in `protected`)
-    need `Authorization: Bearer KEY`, checked before the body is read (so a wrong key is a 401 even
-    for a malformed body); /health, /metrics, /version stay open. Not BaseHTTPMiddleware, which
-    would get in the way of streaming and disconnects."""
+    """Pure ASGI middleware: /v1, /tokenize, /detokenize and /debug (and the docs, when the app
+    passes them in `protected`) need `Authorization: Bearer KEY`, checked before the body is read
+    (so a wrong key is a 401 even for a malformed body); /health, /ping, /metrics, /version stay
+    open. Not BaseHTTPMiddleware, which would get in the way of streaming and disconnects."""
 
-    PROTECTED = ("/v1", "/debug")
+    PROTECTED = ("/v1", "/tokenize", "/detokenize", "/debug")
 
     def __init__(self, app, api_key: str, ctx: ServerContext, protected: tuple[str, ...] = PROTECTED) -> None:
         self.app = app
@@ -292,13 +294,28 @@ def _document_errors_only_as_returned(app: FastAPI) -> None:
 
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.get("/health", response_model=HealthResponse,
-             responses={503: {"model": HealthResponse, "description": "Engine loop dead or stalled"}})
-    async def health():
+    unhealthy = {503: {"model": HealthResponse, "description": "Engine loop dead or stalled"}}
+
+    def health_response() -> JSONResponse:
         h = ctx.engine.health()
         body = {"status": "ok" if h.healthy else "unhealthy", "reason": h.reason, "pending_requests": h.pending,
                 "seconds_since_last_step": round(h.seconds_since_heartbeat, 3)}
         return JSONResponse(body, status_code=200 if h.healthy else 503)
+
+    @app.get("/health", response_model=HealthResponse, responses=unhealthy)
+    async def health():
+        return health_response()
+
+    @app.head("/health", response_class=Response,
+              responses={200: {"description": "Healthy (status only, no body)"},
+                         503: {"description": "Engine loop dead or stalled (status only, no body)"}})
+    async def health_head():
+        return Response(status_code=health_response().status_code)
+
+    # vLLM's /ping (SageMaker's health check, GET and POST) answers exactly what /health does.
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse, responses=unhealthy)
+    async def ping():
+        return health_response()
 
     @app.get("/version")
     async def version():
@@ -311,10 +328,17 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.served_model_name, root=ctx.served_model_name, max_model_len=ctx.engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 500))
     async def models():
-        card = ModelCard(id=ctx.served_model_name, root=ctx.served_model_name, max_model_len=ctx.engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 500))
+    async def model(model_id: str):
+        check_model(ctx, model_id)  # 404 for any other id (ids with slashes arrive whole)
+        return JSONResponse(model_card().model_dump())
 
     post_errors = _errors(400, 401, 404, 413, 429, 500, 503)
 
@@ -327,6 +351,16 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
               responses={**_streamed(ChatCompletionChunk), **post_errors})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
+
+    tokenizer_errors = _errors(400, 401, 404, 413, 500)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=tokenizer_errors)
+    async def tokenize(body: TokenizeRequest):
+        return await create_tokenize(ctx, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=tokenizer_errors)
+    async def detokenize(body: DetokenizeRequest):
+        return await create_detokenize(ctx, body)
 
 
 def _add_fault_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -277,3 +277,35 @@ class ErrorResponse(_Response):
     """Every error the server returns: `{"error": {"message", "type", "param", "code"}}`."""
 
     error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- tokenizer endpoints (vLLM's shapes)
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: either `prompt` (completion style) or `messages` (through the chat template),
+    as vLLM's TokenizeCompletionRequest / TokenizeChatRequest. `add_special_tokens` defaults to
+    true for a prompt and false for messages (the template places its own special tokens)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[Any]] = None
+    add_generation_prompt: Optional[bool] = True
+    add_special_tokens: Optional[bool] = None
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
