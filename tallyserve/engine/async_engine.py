@@ -350,6 +350,7 @@ class AsyncLLMEngine:
                 self._stop_engine()
                 return stop_reason
             if not engine.has_unfinished_requests() and not self._flush:
+                engine.check_health()  # idle: a dead tensor-parallel worker still ends the loop (and /health)
                 self._heartbeat = time.monotonic()
                 continue
             self._flush = False

@@ -369,5 +369,9 @@ class LLMEngine:
         out["timings_s"] = dict(self.core.timings)
         return out
 
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError if the executor can run no more steps (a worker died)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()

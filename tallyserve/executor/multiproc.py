@@ -171,6 +171,9 @@ class MultiprocExecutor(Executor):
             if name == "LedgerError":
                 raise ledger.LedgerError(message)
             raise RuntimeError(f"{name} (on the tensor-parallel workers): {message}")
+        if reply[1] != prepared.num_tokens:  # what the workers' batch builder built, against the charge
+            raise ledger.LedgerError(f"ledger mismatch: the workers computed {reply[1]} tokens, "
+                                     f"the step charged {prepared.num_tokens}")
         return _Done(reply[2])
 
     def flush_transfers(self) -> None:

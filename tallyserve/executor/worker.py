@@ -113,6 +113,10 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
     _serve(runner, rank, conn, group)
+    # Leave without running interpreter teardown: the process group's C++ threads may still be
+    # referenced (model layers, the group) and tearing them down at exit can abort the process.
+    logging.shutdown()
+    os._exit(0)
 
 
 def _serve(runner, rank: int, conn, group) -> None:
