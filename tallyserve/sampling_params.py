@@ -87,6 +87,74 @@ def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
     return tuple(_check_int(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids))
 
 
+def _normalise_logit_bias(bias: Any) -> Optional[dict[int, float]]:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        tid = key
+        if isinstance(key, str):  # OpenAI sends token ids as JSON object keys (strings)
+            try:
+                tid = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if not _is_int(tid) or tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        out[tid] = _check_float(f"logit_bias[{tid}]", value, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    return out or None
+
+
+def _normalise_id_list(name: str, ids: Any) -> Optional[tuple[int, ...]]:
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers >= 0, got {ids!r}")
+    return tuple(_check_int(f"{name}[{i}]", t, 0) for i, t in enumerate(ids))
+
+
+def _normalise_bad_words(words: Any) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+    for i, w in enumerate(words):
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(f"bad_words[{i}] must be a non-empty string, got {w!r}")
+        check_unicode(f"bad_words[{i}]", w)
+    return tuple(words)
+
+
+def _normalise_bad_words_token_ids(seqs: Any) -> Optional[tuple[tuple[int, ...], ...]]:
+    if seqs is None:
+        return None
+    if isinstance(seqs, (str, bytes)) or not isinstance(seqs, (list, tuple)):
+        raise ValueError(f"bad_words_token_ids must be a list of lists of token ids, got {seqs!r}")
+    out = []
+    for i, seq in enumerate(seqs):
+        ids = _normalise_id_list(f"bad_words_token_ids[{i}]", seq)
+        if not ids:
+            raise ValueError(f"bad_words_token_ids[{i}] must be a non-empty list of token ids")
+        out.append(ids)
+    return tuple(out)
+
+
+def bad_words_to_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad words: each word as written without a leading space, and with
+    one (a distinct tokenization of the same length is added too, as vLLM does)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for prefix_space in (False, True):
+            text = (" " if prefix_space else "") + word.lstrip()
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if not ids:
+                continue
+            if not prefix_space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return tuple(dict.fromkeys(out))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options. Defaults and meanings follow vLLM.
@@ -99,6 +167,19 @@ class SamplingParams:
     the output unless include_stop_str_in_output). stop_token_ids: extra ids that end generation.
     ignore_eos: keep going past EOS. logprobs: number of top logprobs to return per token
     besides the sampled one (None: none). skip_special_tokens: omit special tokens from text.
+
+    Penalties and token controls (vLLM semantics, applied on the device by runner/penalties.py):
+    presence_penalty / frequency_penalty in [-2, 2]: ``logit - presence * (count > 0) - frequency
+    * count`` over the OUTPUT tokens generated so far. repetition_penalty > 0 (1 = off): over the
+    prompt AND output tokens, positive logits are divided by it, negative ones multiplied (HF).
+    logit_bias: token id -> bias in [-100, 100], added to the logits (ids must be < the vocabulary
+    size; the server rejects larger ones with a 400, the runner ignores them). allowed_token_ids:
+    only these ids may be sampled. bad_words: strings never to generate; the runner bans their
+    token sequences from ``bad_words_token_ids`` (a single-token word always, a longer one when
+    the tokens generated last equal its prefix). The server fills bad_words_token_ids with its
+    tokenizer; offline, pass bad_words_token_ids, or ``with_bad_words_tokenized(tokenizer)``.
+    Greedy rows apply them too (they change the argmax). Log-probabilities stay those of the raw
+    model distribution.
     """
 
     n: int = 1
@@ -115,6 +196,13 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[str]] = None
+    bad_words_token_ids: Optional[Sequence[Sequence[int]]] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__, once, here
@@ -140,6 +228,17 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, _check_float(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
+        set_(self, "repetition_penalty", _check_float(
+            "repetition_penalty", self.repetition_penalty, "finite and > 0", lambda v: 0 < v < math.inf
+        ))
+        set_(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        set_(self, "allowed_token_ids", _normalise_id_list("allowed_token_ids", self.allowed_token_ids))
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        set_(self, "bad_words", _normalise_bad_words(self.bad_words))
+        set_(self, "bad_words_token_ids", _normalise_bad_words_token_ids(self.bad_words_token_ids))
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -156,6 +255,25 @@ class SamplingParams:
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling needs the request's token history (penalties, multi-token bad words)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or any(len(w) > 1 for w in self.bad_words_token_ids or ()))
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """Whether any penalty or token control changes this request's logits."""
+        return (self.uses_history or self.logit_bias is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
+
+    def with_bad_words_tokenized(self, tokenizer: Any) -> "SamplingParams":
+        """A copy whose bad_words_token_ids holds the tokenization of bad_words (vLLM's rule)."""
+        if not self.bad_words:
+            return self
+        ids = bad_words_to_token_ids(self.bad_words, tokenizer)
+        return self.clone(bad_words_token_ids=tuple(self.bad_words_token_ids or ()) + ids)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         """A validated copy with `changes` applied (e.g. the engine resolving max_tokens)."""

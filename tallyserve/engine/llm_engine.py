@@ -155,9 +155,15 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[0]}")
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer: pass bad_words_token_ids instead")
+            params = params.with_bad_words_tokenized(self.tokenizer)
         max_n = self.config.scheduler_config.max_num_seqs
         if params.n > max_n:
             raise ValueError(f"n must be at most max_num_seqs ({max_n}): all n sequences of a request run "

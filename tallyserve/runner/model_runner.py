@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -168,6 +169,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(generator=torch.Generator(device=device).manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
+        self._token_mirror = None  # host copy of every KV slot's token (penalties read histories from it)
+        self._last_step: Optional[AsyncModelRunnerOutput] = None  # its tokens fill the next step's placeholders
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
@@ -246,6 +249,8 @@ class ModelRunner:
         """Queue the sampling of a step's logits. Plain rows stay on the device (their tokens feed
         the next async step); beam rows and draft verification are resolved here, on the host."""
         step = AsyncModelRunnerOutput(num_forward_tokens)
+        raw = logits
+        logits = self._process_logits(so, logits)  # penalties, logit_bias, allowed ids, bad words
         row, plain, plain_rows, gens = 0, [], [], []
         for e in so.requests:
             if not e.sample:
@@ -259,6 +264,8 @@ class ModelRunner:
                 banned = list(self.eos_token_ids) + list(e.sampling_params.stop_token_ids)
                 if banned:
                     logits[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
+                    if raw is not logits:
+                        raw[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
             gen = self._generator(e)
             if e.num_draft_tokens:
                 gen = gen or self.sampler._shared_generator(logits.device)
@@ -271,8 +278,48 @@ class ModelRunner:
             row += n
         if plain:
             sub = logits if len(plain_rows) == logits.shape[0] else logits[host_tensor(plain_rows, logits.device)]
-            tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens)
+            raw_sub = None
+            if raw is not logits:
+                raw_sub = raw if len(plain_rows) == raw.shape[0] else raw[host_tensor(plain_rows, raw.device)]
+            tensors = self.sampler.sample_tensors(sub, [e.sampling_params for e in plain], gens, raw_sub)
             step.token_ids = tensors.token_ids
             step.token_index = {e.request_id: i for i, e in enumerate(plain)}
             step.pending = tensors.to_host()
+        self._last_step = step  # the next step's placeholders are this step's tokens
         return step
+
+    def _process_logits(self, so: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and token controls (runner/penalties.py) on a copy of the logits; the logits
+        themselves when no sampled row uses any (then nothing is built)."""
+        from tallyserve.runner.penalties import ProcessRow, TokenMirror, process_logits
+
+        mirror = self._token_mirror
+        if mirror is None:
+            mirror = self._token_mirror = TokenMirror(self.block_size)
+        inflight = self._last_step
+        placeholders = mirror.update(so, inflight)  # every step: prefix hits read slots others wrote
+        rows: list[ProcessRow] = []
+        row = 0
+        for e in so.requests:
+            if not e.sample:
+                continue
+            n = e.num_sample_rows
+            p = e.sampling_params
+            if not e.beam_search and p.has_logits_processing:
+                length = e.start_position + e.num_tokens  # the sequence, drafts included
+                seq = mirror.tokens(e.block_ids, length) if p.uses_history else None
+                ph = placeholders.get(e.request_id, -1)
+                for j in range(n):  # row j follows the sequence up to its j-th draft token
+                    end = length - e.num_draft_tokens + j
+                    prompt_len = length - e.num_draft_tokens - e.num_output_tokens
+                    if seq is None:
+                        prompt = output = np.zeros(0, dtype=np.int64)
+                    else:
+                        prompt, output = seq[:prompt_len], seq[prompt_len:end]
+                        if ph >= 0:  # the placeholder is the newest output token: it comes from the device
+                            output = output[output >= 0]
+                    rows.append(ProcessRow(row + j, p, prompt, output, ph))
+            row += n
+        if not rows:
+            return logits
+        return process_logits(logits, rows, inflight.token_ids if inflight is not None else None)

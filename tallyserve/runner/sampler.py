@@ -175,8 +175,11 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[Optional[torch.Generator]],
+        raw_logits: Optional[torch.Tensor] = None,
     ) -> SampledTensors:
-        """``sample`` without waiting for the device: every result stays a tensor."""
+        """``sample`` without waiting for the device: every result stays a tensor.
+        ``raw_logits``: the logits before penalties / token controls (same shape), for the
+        reported logprobs (the raw model distribution, as vLLM reports); default ``logits``."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {tuple(logits.shape)}")
         num_rows = logits.shape[0]
@@ -191,6 +194,8 @@ class Sampler:
         if random_rows:
             sampled = self._sample_random(logits, random_rows, params, generators)
             token_ids[host_tensor(random_rows, logits.device)] = sampled
+        if raw_logits is not None:
+            logits = raw_logits.float()
         logsumexp = logits.logsumexp(dim=-1)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
         out = SampledTensors(token_ids, sampled_logprobs, [i for i, p in enumerate(params) if p.logprobs], [])

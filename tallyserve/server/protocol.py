@@ -88,6 +88,9 @@ class SamplingFields(_Request):
     use_beam_search: Optional[bool] = False
     best_of: Optional[int] = None  # with use_beam_search: the beam width (default n)
     length_penalty: Optional[float] = 1.0  # beam search: score = cum_logprob / length ** length_penalty
+    repetition_penalty: Optional[float] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
     @property
     def include_usage(self) -> bool:

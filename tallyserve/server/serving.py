@@ -79,19 +79,21 @@ def check_admission(ctx: ServerContext) -> None:
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """400 for the OpenAI options tallyserve does not implement."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise bad_request(f"{name} is not supported; only 0 is accepted", name, "unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    """400 for the OpenAI options tallyserve does not implement (penalties and token controls
+    with beam search)."""
+    if req.use_beam_search:
+        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", [])):
+            if getattr(req, name, None) not in (None, off):
+                raise bad_request(f"{name} is not supported with use_beam_search", name, "unsupported_parameter")
     n = 1 if req.n is None else req.n
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {quote(n)}", "n")
 
 
 def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+                    max_tokens_param: str = "max_tokens", ctx: Optional[ServerContext] = None) -> SamplingParams:
+    """``ctx``: for the vocabulary check of token ids and the tokenization of bad_words."""
     check_unsupported(req)
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
@@ -104,15 +106,29 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
         stop_token_ids=req.stop_token_ids, ignore_eos=_default(req.ignore_eos, False), logprobs=logprobs,
         skip_special_tokens=_default(req.skip_special_tokens, True),
         include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
+        presence_penalty=_default(req.presence_penalty, 0.0), frequency_penalty=_default(req.frequency_penalty, 0.0),
+        repetition_penalty=_default(req.repetition_penalty, 1.0), logit_bias=req.logit_bias or None,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
     )
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except ValueError as exc:
         msg = str(exc)
         field = msg.split(" ", 1)[0].split("[", 1)[0]
         if field == "max_tokens":
             msg, field = msg.replace("max_tokens", max_tokens_param, 1), max_tokens_param
         raise bad_request(msg, field if field in kwargs or field == max_tokens_param else None) from exc
+    if ctx is not None:
+        vocab = ctx.engine.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise bad_request(f"{name} token id {bad[0]} is out of range [0, {vocab})", name)
+        if params.bad_words:
+            if ctx.engine.tokenizer is None:
+                raise bad_request("bad_words needs a tokenizer (the server has none)", "bad_words")
+            params = params.with_bad_words_tokenized(ctx.engine.tokenizer)
+    return params
 
 
 def _default(value: Optional[T], default: T) -> T:

@@ -41,7 +41,7 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[Samp
     alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if req.use_beam_search:
         return beam_spec(req, req.effective_max_tokens, alias, logprobs=bool(req.logprobs))
-    return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias)
+    return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias, ctx=ctx)
 
 
 async def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:

@@ -65,7 +65,7 @@ def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[Sampling
         raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
     if req.logprobs is not None and req.logprobs > ctx.engine.max_logprobs:
         raise bad_request(f"logprobs must be at most {ctx.engine.max_logprobs}, got {quote(req.logprobs)}", "logprobs")
-    return sampling_params(req, req.max_tokens, req.logprobs)
+    return sampling_params(req, req.max_tokens, req.logprobs, ctx=ctx)
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
