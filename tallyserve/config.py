@@ -55,6 +55,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # vLLM's concurrent partial prefill knobs (see EngineArgs); the defaults keep today's schedules.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        check_partial_prefill_args(self.max_num_partial_prefills, self.max_long_partial_prefills,
+                                   self.long_prefill_token_threshold, self.enable_chunked_prefill)
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,22 @@ def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None, optiona
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+def check_partial_prefill_args(max_num_partial_prefills: Any, max_long_partial_prefills: Any,
+                               long_prefill_token_threshold: Any, enable_chunked_prefill: bool) -> None:
+    """ValueError naming the argument: max_num_partial_prefills >= 1, 1 <= max_long_partial_prefills <=
+    max_num_partial_prefills, long_prefill_token_threshold >= 0, and chunked prefill on when either knob is."""
+    _check_int("max_num_partial_prefills", max_num_partial_prefills, 1)
+    _check_int("max_long_partial_prefills", max_long_partial_prefills, 1, max_num_partial_prefills)
+    _check_int("long_prefill_token_threshold", long_prefill_token_threshold, 0)
+    if not enable_chunked_prefill:
+        if max_num_partial_prefills > 1:
+            raise ValueError("max_num_partial_prefills > 1 needs enable_chunked_prefill=True, "
+                             f"got max_num_partial_prefills={max_num_partial_prefills!r}")
+        if long_prefill_token_threshold > 0:
+            raise ValueError("long_prefill_token_threshold > 0 chunks long prefills and needs "
+                             f"enable_chunked_prefill=True, got long_prefill_token_threshold={long_prefill_token_threshold!r}")
 
 
 @dataclass
@@ -111,6 +135,13 @@ class EngineArgs:
     dist_init_addr: Optional[str] = None
     # Seconds a worker may take to answer a step (or a collective to complete) before it counts as dead.
     worker_timeout: float = 300.0
+    # Concurrent partial prefills (vLLM's names and defaults; the defaults keep today's schedules):
+    # at most max_num_partial_prefills requests are mid-prefill (chunked, not finished) at once, at most
+    # max_long_partial_prefills of them long: more than long_prefill_token_threshold tokens left to
+    # compute; a long prefill gets at most long_prefill_token_threshold tokens per step (0: off).
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
@@ -141,6 +172,8 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_partial_prefill_args(self.max_num_partial_prefills, self.max_long_partial_prefills,
+                                   self.long_prefill_token_threshold, self.enable_chunked_prefill)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.async_scheduling and self.speculative_config is not None:
@@ -199,7 +232,10 @@ class EngineArgs:
             cache_config=CacheConfig(
                 self.block_size, num_blocks, self.enable_prefix_caching, self.enable_partial_reuse, num_host_blocks
             ),
-            scheduler_config=SchedulerConfig(budget, self.max_num_seqs, max_model_len, self.enable_chunked_prefill),
+            scheduler_config=SchedulerConfig(
+                budget, self.max_num_seqs, max_model_len, self.enable_chunked_prefill,
+                self.max_num_partial_prefills, self.max_long_partial_prefills, self.long_prefill_token_threshold,
+            ),
             args=dataclasses.replace(self),
         )
 

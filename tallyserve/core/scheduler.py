@@ -3,6 +3,10 @@
 Each request catches `num_computed_tokens` up to `num_tokens`; prefill, chunked prefill,
 decode, prefix reuse and preemption all fall out of that. Every token charged comes from
 `ledger.query_tokens` / `ledger.charge`, after the prefix hit has been committed.
+
+vLLM's partial prefill knobs (max_num_partial_prefills, max_long_partial_prefills,
+long_prefill_token_threshold) only size chunks and gate admission (see `_PrefillSlots`); with their
+defaults every decision is today's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,29 @@ from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
+
+# _admit's answers besides a chunk size (> 0) or 0 (no room: stop admitting this step).
+_SKIP_LONG = -1  # long, and max_long_partial_prefills long prefills already run: try the next one
+_PARTIAL_FULL = -2  # it would stay mid-prefill and max_num_partial_prefills are: stop admitting
+
+
+@dataclass
+class _PrefillSlots:
+    """Concurrent partial prefills in the step being scheduled (only with the knobs on).
+
+    A request is *mid-prefill* while more than one of its tokens lacks KV once this step's chunk is
+    counted (one missing token is just its next decode row). It is *long* in a step when, as the step
+    begins (for a waiting request: after its committed prefix hit), more than
+    long_prefill_token_threshold of its tokens lack KV; it stays long for the whole step.
+    """
+
+    partial: int  # mid-prefill after this step
+    long: int  # long in this step
+
+
+def _tokens_left(req: Request, computed: int) -> int:
+    """Tokens of ``req`` still lacking KV with ``computed`` computed: the ledger's count without drafts."""
+    return ledger.query_tokens(req.num_tokens, computed)
 
 
 @dataclass
@@ -63,6 +90,12 @@ class Scheduler:
         # by a new request once the old one ended; its results must not reach the new one).
         self._in_flight: dict[int, tuple[Request, ...]] = {}
         self._finished_ids: list[str] = []  # finished since the last non-empty step (for the runner)
+        # vLLM's partial prefill knobs. Off (max_num_partial_prefills 1, long_prefill_token_threshold 0):
+        # the loops below take exactly today's decisions (a chunk is only ever cut by the budget, so at
+        # most one request is mid-prefill anyway).
+        cfg = scheduler_config
+        self._long_threshold = cfg.long_prefill_token_threshold
+        self._limit_prefills = cfg.max_num_partial_prefills > 1 or cfg.long_prefill_token_threshold > 0
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -109,7 +142,8 @@ class Scheduler:
                 idx += 1  # its in-flight token is its last one
                 continue
             needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))
-            n = ledger.charge(needed, budget, chunked=True)  # drafts are trimmed to fit, never overshoot
+            # drafts are trimmed to fit, never overshoot; a long prefill's chunk is capped at the threshold
+            n = ledger.charge(needed, self._chunk_budget(req, req.num_computed_tokens, budget), chunked=True)
             if n == 0:
                 idx += 1
                 continue
@@ -135,20 +169,25 @@ class Scheduler:
         and nothing behind it (lower priority or later) takes its seat or blocks meanwhile."""
         cfg = self.config
         pending = self._pending_block_hashes(scheduled)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+        slots = self._prefill_slots(scheduled) if self._limit_prefills else None
+        idx = 0  # stays 0 unless a long prefill is skipped for lack of a long slot (vLLM's queue jumping)
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[idx]
             hit = self.kv.match_prefix(req)
             if pending and self._prefix_pending(req, hit, pending):
                 self.stats.deferred_admissions += 1
                 break
-            n = self._admit(req, hit, budget)
+            n = self._admit(req, hit, budget, slots)
             if n == 0 and hit.partial_src is not None:
                 # In a tight pool the partial source's pinned block can be the one we lack.
                 hit = hit.without_partial()
-                n = self._admit(req, hit, budget)
-            if n == 0:
+                n = self._admit(req, hit, budget, slots)
+            if n == _SKIP_LONG:
+                idx += 1
+                continue
+            if n <= 0:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -176,13 +215,42 @@ class Scheduler:
         i = len(hit.blocks)  # the first block the cache could not serve
         return (i + 1) * self.kv.block_size < req.num_tokens and i < len(req.block_hashes) and req.block_hashes[i] in pending
 
-    def _admit(self, req: Request, hit, budget: int) -> int:
-        """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge."""
+    def _admit(self, req: Request, hit, budget: int, slots: Optional[_PrefillSlots] = None) -> int:
+        """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge.
+        With the partial prefill knobs (``slots``): _SKIP_LONG or _PARTIAL_FULL when it may not start
+        now; nothing is committed then."""
         needed = ledger.query_tokens(req.num_tokens, hit.num_tokens, len(req.spec_token_ids))
-        n = ledger.charge(needed, budget, self.config.enable_chunked_prefill)
+        is_long = False
+        if slots is not None:
+            is_long = 0 < self._long_threshold < _tokens_left(req, hit.num_tokens)
+            if is_long and slots.long >= self.config.max_long_partial_prefills:
+                return _SKIP_LONG
+        n = ledger.charge(needed, self._chunk_budget(req, hit.num_tokens, budget), self.config.enable_chunked_prefill)
+        stays_partial = slots is not None and n > 0 and _tokens_left(req, hit.num_tokens) - n > 1
+        if stays_partial and slots.partial >= self.config.max_num_partial_prefills:
+            return _PARTIAL_FULL
         if n == 0 or not self.kv.allocate_slots(req, n, hit):
             return 0
+        if slots is not None:
+            slots.partial += stays_partial
+            slots.long += is_long
         return n
+
+    def _chunk_budget(self, req: Request, computed: int, budget: int) -> int:
+        """The budget a chunk of ``req`` may take: the step's, or for a long prefill (more than
+        long_prefill_token_threshold tokens without KV) at most the threshold (vLLM's cap)."""
+        if 0 < self._long_threshold < _tokens_left(req, computed):
+            return min(budget, self._long_threshold)
+        return budget
+
+    def _prefill_slots(self, scheduled: dict[str, int]) -> _PrefillSlots:
+        """Partial prefills among the running requests once the running loop has scheduled them."""
+        partial = long = 0
+        for req in self.running:
+            left = _tokens_left(req, req.num_computed_tokens)
+            partial += left - scheduled.get(req.request_id, 0) > 1
+            long += 0 < self._long_threshold < left
+        return _PrefillSlots(partial, long)
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: blocks go back to the pool (full ones stay cached)."""
