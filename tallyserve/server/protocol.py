@@ -4,7 +4,10 @@ min_p, ignore_eos, min_tokens, stop_token_ids, use_beam_search, best_of, length_
 accepted too.
 
 Requests validate in strict mode, so a wrong JSON type ("5" for an integer, 1 for a boolean) is a
-400, never silently coerced. Unknown fields are ignored, as vLLM does. Every string in a request
+400, never silently coerced. The completions and chat requests keep the fields they do not
+declare (extra="allow"): serving.check_unsupported() rejects the OpenAI and vLLM fields that
+tallyserve does not implement (catalogued in fields.py) unless they carry a harmless value, and
+ignores (with one log line) fields neither API defines. Every string in a request
 (nested ones and dict keys included) must be valid Unicode: a lone surrogate (a JSON escape such
 as \\ud800, or the bytes ED A0 80 that JSON decoding lets through) is a 400 naming the field."""
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic_core import PydanticCustomError
@@ -59,10 +62,15 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM's; only false is supported (a 400 otherwise)
 
 
 class SamplingFields(_Request):
-    """Fields the completions and chat completions requests share."""
+    """Fields the completions and chat completions requests share. Undeclared fields are kept
+    (`model_extra`) for serving.check_unsupported(); `catalogue` names its fields.py catalogue."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    catalogue: ClassVar[str] = ""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -98,6 +106,7 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
+    catalogue: ClassVar[str] = "completions"
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
@@ -106,6 +115,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatCompletionRequest(SamplingFields):
+    catalogue: ClassVar[str] = "chat"
     messages: list[Any]
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False

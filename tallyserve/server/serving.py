@@ -22,7 +22,7 @@ from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Que
                                             StepFailedError)
 from tallyserve.outputs import CompletionOutput, RequestOutput
 from tallyserve.sampling_params import SamplingParams
-from tallyserve.server import errors
+from tallyserve.server import errors, fields
 from tallyserve.server.errors import APIError, bad_request, quote
 from tallyserve.server.metrics import ServerMetrics
 from tallyserve.server.protocol import SamplingFields
@@ -78,9 +78,54 @@ def check_admission(ctx: ServerContext) -> None:
                                   "retry later")
 
 
+_logged_unknown: set[str] = set()
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged per process; then one last line
+
+
+def check_fields(req: SamplingFields) -> None:
+    """The field catalogue's rule (fields.py): an OpenAI or vLLM field tallyserve does not
+    implement is a 400 ("unsupported_parameter", param = the field) unless absent, null or one of
+    its harmless values; a field neither API defines is ignored, logged once per name."""
+    catalogue = fields.CATALOGUES.get(req.catalogue, {})
+    declared = type(req).model_fields
+    for name in req.model_fields_set:
+        if name not in declared:
+            continue
+        info = catalogue.get(name)
+        if info is not None and info.status == fields.UNSUPPORTED and not info.accepts(getattr(req, name)):
+            raise _unsupported_field(name, info)
+    for name, value in (req.model_extra or {}).items():
+        info = catalogue.get(name)
+        if info is None:
+            _log_unknown(name, req.catalogue)
+        elif not info.accepts(value):
+            raise _unsupported_field(name, info)
+    so = req.stream_options
+    if so is not None and so.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported by tallyserve (usage comes "
+                          "only in the last chunk, with include_usage); omit it or send false",
+                          "stream_options.continuous_usage_stats", "unsupported_parameter")
+
+
+def _unsupported_field(name: str, info: "fields.FieldInfo") -> APIError:
+    return bad_request(f"{name} is not supported by tallyserve: {info.reason}; omit it or send "
+                       f"{info.harmless_text()}", name, "unsupported_parameter")
+
+
+def _log_unknown(name: str, endpoint: str) -> None:
+    if name in _logged_unknown or len(_logged_unknown) > MAX_LOGGED_UNKNOWN:
+        return
+    _logged_unknown.add(name)
+    if len(_logged_unknown) > MAX_LOGGED_UNKNOWN:
+        logger.warning("more than %d distinct unknown request fields: no longer logging them", MAX_LOGGED_UNKNOWN)
+        return
+    logger.warning("ignoring request field %s of %s: not an OpenAI or vLLM parameter", quote(name, 80), endpoint)
+
+
 def check_unsupported(req: SamplingFields) -> None:
-    """400 for the OpenAI options tallyserve does not implement (penalties and token controls
-    with beam search)."""
+    """400 for the OpenAI and vLLM options tallyserve does not implement (check_fields; and
+    penalties and token controls with beam search)."""
+    check_fields(req)
     if req.use_beam_search:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
                           ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", [])):

@@ -16,8 +16,8 @@ from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
-                                       check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
-                                       sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
+                                       check_model, check_prompt_ids, check_unsupported, chunk_sse, collect, merged,
+                                       prime, sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 MESSAGE_QUOTE_CHARS = QUOTE_LIMIT + 200  # a chat template error: its own words plus what it quotes
@@ -25,13 +25,7 @@ MESSAGE_QUOTE_CHARS = QUOTE_LIMIT + 200  # a chat template error: its own words 
 
 def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[SamplingParams, BeamSpec]:
     check_model(ctx, req.model)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format",
-                          "unsupported_parameter")
+    check_unsupported(req)  # the field catalogue: tools, tool_choice, response_format, vLLM extras, ...
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top = req.top_logprobs or 0

@@ -16,8 +16,8 @@ from tallyserve.server.logprobs import completion_logprobs
 from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo, now, random_id)
 from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
-                                       check_model, check_prompt_ids, chunk_sse, collect, merged, prime,
-                                       sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
+                                       check_model, check_prompt_ids, check_unsupported, chunk_sse, collect, merged,
+                                       prime, sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
@@ -57,8 +57,7 @@ async def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
 
 def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[SamplingParams, BeamSpec]:
     check_model(ctx, req.model)
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+    check_unsupported(req)  # the field catalogue: suffix, prompt_embeds, guided decoding, vLLM extras, ...
     if req.use_beam_search:
         return beam_spec(req, req.max_tokens, "max_tokens", logprobs=req.logprobs is not None)
     if req.echo and req.logprobs is not None:

@@ -1,0 +1,187 @@
+"""The catalogue of request fields of POST /v1/completions and POST /v1/chat/completions: every
+field of OpenAI's request bodies and of vLLM's CompletionRequest / ChatCompletionRequest, each
+either honoured or unsupported (with why).
+
+The rule the server applies (serving.check_unsupported):
+- honoured: parsed by the request model (protocol.py) and applied; invalid values are 400s of
+  their own (ranges, types, the few documented combinations such as echo with logprobs).
+- unsupported: accepted only when absent, null, or set to one of its `harmless` values (the
+  default or a value that asks for exactly what tallyserve does anyway, e.g. `tool_choice:
+  "none"`, `store: false`, `priority: 0`, `spaces_between_special_tokens: true`, an identifier
+  such as `prompt_cache_key`); any other value is a 400 with code "unsupported_parameter" whose
+  param is the field, so a client never believes a constraint (a JSON schema, a regex, a prompt
+  truncation...) held when it did not. Harmless values compare by JSON type too (`priority: false` is not `0`).
+- nested: `stream_options.continuous_usage_stats` (vLLM's) is accepted only false.
+- neither (unknown to OpenAI and vLLM): ignored, with one warning per field name per process
+  (OpenAI clients add fields over time).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+HONOURED = "honoured"
+UNSUPPORTED = "unsupported"
+
+COMPLETIONS = "completions"
+CHAT = "chat"
+
+
+def ANY_STRING(value: Any) -> bool:
+    """A harmless-value predicate: any string (an identifier or a hint that changes no output)."""
+    return isinstance(value, str)
+
+
+def ANY_BOOL(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def TEXT_FORMAT(value: Any) -> bool:
+    """response_format asking for plain text: {"type": "text"} (or no type)."""
+    return isinstance(value, dict) and set(value) <= {"type"} and value.get("type", "text") == "text"
+
+
+_DESCRIBED = {ANY_STRING: "any string", ANY_BOOL: "true or false", TEXT_FORMAT: '{"type": "text"}'}
+Harmless = Union[Any, Callable[[Any], bool]]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    status: str
+    reason: str
+    harmless: tuple = ()  # unsupported only: values (or predicates) accepted as no-ops besides null
+
+    def accepts(self, value: Any) -> bool:
+        """Whether `value` of an unsupported field is a harmless no-op (null always is)."""
+        if value is None or self.status == HONOURED:
+            return True
+        for h in self.harmless:
+            if callable(h):
+                if h(value):
+                    return True
+            elif _json(h) == _json(value):
+                return True
+        return False
+
+    def harmless_text(self) -> str:
+        """The accepted values, for error messages: 'null', 'null or false', ..."""
+        shown = ["null"] + [_DESCRIBED.get(h, "?") if callable(h) else _json(h) for h in self.harmless]
+        return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+
+
+def _h(reason: str) -> FieldInfo:
+    return FieldInfo(HONOURED, reason)
+
+
+def _u(reason: str, *harmless: Harmless) -> FieldInfo:
+    return FieldInfo(UNSUPPORTED, reason, tuple(harmless))
+
+
+# --------------------------------------------------------------------------- shared by both endpoints
+
+_SHARED: dict[str, FieldInfo] = {
+    # OpenAI
+    "model": _h("must name the served model (404 otherwise)"),
+    "frequency_penalty": _h("OpenAI's formula on output tokens"),
+    "presence_penalty": _h("OpenAI's formula on output tokens"),
+    "logit_bias": _h("token id -> bias, ids checked against the vocabulary"),
+    "max_tokens": _h("output length limit"),
+    "n": _h("choices per prompt (at most 128)"),
+    "seed": _h("per-request sampling seed"),
+    "stop": _h("stop strings, never split inside returned text"),
+    "stream": _h("server-sent events"),
+    "stream_options": _h("include_usage honoured; continuous_usage_stats only false"),
+    "temperature": _h("0 is greedy"),
+    "top_p": _h("nucleus sampling"),
+    "user": _h("an end-user identifier: accepted, changes no output"),
+    "best_of": _h("with use_beam_search the beam width; otherwise only equal to n"),
+    # vLLM sampling extras
+    "use_beam_search": _h("beam search (no streaming, stop strings, logprobs, penalties)"),
+    "top_k": _h("top-k sampling"),
+    "min_p": _h("min-p sampling"),
+    "repetition_penalty": _h("Hugging Face's formula on prompt and output tokens"),
+    "length_penalty": _h("beam search score = cum_logprob / length ** length_penalty"),
+    "stop_token_ids": _h("stop on these token ids"),
+    "include_stop_str_in_output": _h("keep the matched stop string"),
+    "ignore_eos": _h("generate past EOS"),
+    "min_tokens": _h("no EOS / stop before this many tokens"),
+    "skip_special_tokens": _h("detokenization"),
+    "allowed_token_ids": _h("restrict sampling to these ids"),
+    "bad_words": _h("never generate these words"),
+    # vLLM extras tallyserve does not implement
+    "spaces_between_special_tokens": _u("detokenization takes no such option (true, the default, is accepted)", True),
+    "truncate_prompt_tokens": _u("prompt truncation is not implemented; long prompts are a 400"),
+    "prompt_logprobs": _u("prompt logprobs are not computed"),
+    "guided_json": _u("structured output (guided decoding) is not implemented"),
+    "guided_regex": _u("structured output (guided decoding) is not implemented"),
+    "guided_choice": _u("structured output (guided decoding) is not implemented"),
+    "guided_grammar": _u("structured output (guided decoding) is not implemented"),
+    "guided_decoding_backend": _u("structured output (guided decoding) is not implemented"),
+    "guided_whitespace_pattern": _u("structured output (guided decoding) is not implemented"),
+    "structural_tag": _u("structured output (guided decoding) is not implemented"),
+    "structured_outputs": _u("structured output (guided decoding) is not implemented"),
+    "priority": _u("there is no priority scheduling", 0),
+    "request_id": _u("tallyserve assigns its own request ids (responses would not carry yours)"),
+    "logits_processors": _u("custom logits processors are not supported", []),
+    "return_tokens_as_token_ids": _u("tokens are always returned as strings", False),
+    "return_token_ids": _u("token ids are not returned", False),
+    "cache_salt": _u("the prefix cache is not salted per request"),
+    "kv_transfer_params": _u("there is no disaggregated serving", {}),
+    "vllm_xargs": _u("there are no custom extensions", {}),
+    "mm_processor_kwargs": _u("there is no multimodal processor", {}),
+    "media_io_kwargs": _u("there is no multimodal input", {}),
+}
+
+COMPLETION_FIELDS: dict[str, FieldInfo] = {
+    **_SHARED,
+    "prompt": _h("a string, strings, token ids or lists of token ids"),
+    "echo": _h("prepend the prompt (not with logprobs: prompt logprobs are not computed)"),
+    "logprobs": _h("top logprobs per output token (at most max_logprobs)"),
+    "suffix": _u("insertion (suffix) is not implemented", ""),
+    "prompt_embeds": _u("prompt embeddings are not accepted; send text or token ids"),
+    "add_special_tokens": _u("prompts are always encoded with special tokens", True),
+    "response_format": _u("only plain text output is supported", TEXT_FORMAT),
+}
+
+CHAT_FIELDS: dict[str, FieldInfo] = {
+    **_SHARED,
+    "messages": _h("through the model's chat template"),
+    "max_completion_tokens": _h("output length limit (takes precedence over max_tokens)"),
+    "logprobs": _h("logprobs of the output tokens"),
+    "top_logprobs": _h("alternatives per token (needs logprobs, at most 20)"),
+    "add_generation_prompt": _h("passed to the chat template"),
+    # OpenAI fields tallyserve does not implement
+    "tools": _u("tool calling is not supported", []),
+    "tool_choice": _u("tool calling is not supported", "none", "auto"),
+    "parallel_tool_calls": _u("tool calling is not supported (no effect without tools)", ANY_BOOL),
+    "functions": _u("function calling is not supported", []),
+    "function_call": _u("function calling is not supported", "none", "auto"),
+    "response_format": _u("only plain text output is supported", TEXT_FORMAT),
+    "audio": _u("audio output is not supported"),
+    "modalities": _u("only text output is supported", ["text"]),
+    "prediction": _u("predicted outputs are not supported"),
+    "reasoning_effort": _u("there is no reasoning control"),
+    "verbosity": _u("there is no verbosity control"),
+    "service_tier": _u("there are no service tiers", "auto", "default"),
+    "store": _u("completions are not stored", False),
+    "metadata": _u("completions are not stored, so metadata has no use", {}),
+    "web_search_options": _u("web search is not supported"),
+    "prompt_cache_key": _u("a caching hint: prefix caching is automatic", ANY_STRING),
+    "safety_identifier": _u("an end-user identifier: changes no output", ANY_STRING),
+    # vLLM chat extras tallyserve does not implement
+    "echo": _u("chat echo (prepending the last message) is not implemented", False),
+    "continue_final_message": _u("continuing the final message is not implemented", False),
+    "add_special_tokens": _u("the chat template places its own special tokens", False),
+    "documents": _u("documents are not passed to the chat template", []),
+    "chat_template": _u("only the model's own chat template is used"),
+    "chat_template_kwargs": _u("no extra arguments are passed to the chat template", {}),
+    "include_reasoning": _u("there is no reasoning parser: any reasoning stays in the content", True),
+}
+
+CATALOGUES: dict[str, dict[str, FieldInfo]] = {COMPLETIONS: COMPLETION_FIELDS, CHAT: CHAT_FIELDS}
