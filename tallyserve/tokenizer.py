@@ -89,29 +89,88 @@ class Tokenizer:
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of `messages` (validated first)."""
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template: Optional[str] = None,
+                    chat_template_kwargs: Optional[dict] = None) -> str:
+        """The prompt text the chat template makes of `messages` (validated first).
+
+        vLLM's chat controls: `continue_final_message` renders the last message left open (no
+        end-of-turn) so the model continues it; it excludes `add_generation_prompt`.
+        `chat_template` replaces the tokenizer's template; `chat_template_kwargs` are extra template
+        variables (e.g. enable_thinking), whose `add_generation_prompt` / `continue_final_message`
+        override the arguments, as vLLM's do. Templates render in transformers' sandboxed
+        (ImmutableSandboxedEnvironment) Jinja. Raises ChatTemplateError for the controls and the
+        template, ValueError for invalid messages."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise ValueError(
                 "this model's tokenizer has no chat template; send a plain prompt "
                 "(completions API) or use a model with a chat_template"
             )
+        kwargs = dict(chat_template_kwargs or {})
+        for key in list(kwargs):
+            if not isinstance(key, str) or key in _RESERVED_TEMPLATE_KWARGS:
+                raise ChatTemplateError(
+                    f"chat_template_kwargs must not set {key!r} (an argument of the template call itself)",
+                    "chat_template_kwargs")
+            if key in ("add_generation_prompt", "continue_final_message"):
+                value = kwargs.pop(key)
+                if not isinstance(value, bool):
+                    raise ChatTemplateError(f"chat_template_kwargs.{key} must be true or false",
+                                            "chat_template_kwargs")
+                if key == "add_generation_prompt":
+                    add_generation_prompt = value
+                else:
+                    continue_final_message = value
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: "
+                                    "continue the final message, or start a new assistant turn",
+                                    "continue_final_message")
         normalised = normalise_messages(messages)
         try:
             text = self.hf.apply_chat_template(
-                normalised, tokenize=False, add_generation_prompt=add_generation_prompt
+                normalised, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(continue_final_message), chat_template=chat_template, **kwargs,
             )
-        except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template
-            raise ValueError(f"chat template failed on these messages: {e}") from e
+        except Exception as e:  # jinja2 TemplateError / SecurityError, raise_exception(...) in the template
+            where = "chat_template" if chat_template is not None else "messages"
+            if continue_final_message and "continue_final_message" in str(e):
+                where = "continue_final_message"
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}",
+                                    where) from e
         if not isinstance(text, str):
-            raise ValueError(f"chat template returned {type(text).__name__}, expected a string")
+            raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected a string",
+                                    "chat_template" if chat_template is not None else "messages")
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat prompt. The template itself places BOS and other special tokens,
-        so the rendered text is encoded without adding special tokens again."""
-        text = self.render_chat(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: Optional[str] = None,
+                            chat_template_kwargs: Optional[dict] = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the chat prompt (render_chat's text). The template itself places BOS and
+        other special tokens, so by default (vLLM's too) the text is encoded without adding
+        special tokens again; `add_special_tokens=True` adds them (e.g. a BOS) as well."""
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
+                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template or its controls failed; `param` names the request field to blame
+    (chat_template, chat_template_kwargs, continue_final_message, or messages for the model's own
+    template)."""
+
+    def __init__(self, message: str, param: str = "chat_template") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Arguments of transformers' apply_chat_template / render call that template kwargs must not replace.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
 
 
 def _special_ids(hf: Any) -> list[int]:

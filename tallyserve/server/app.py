@@ -40,13 +40,14 @@ def default_max_request_body_bytes(max_model_len: int) -> int:
 
 def build_app(engine: AsyncLLMEngine, *, api_key: Optional[str] = None, enable_fault_injection: bool = False,
               shutdown_timeout: float = 5.0, max_request_body_bytes: Optional[int] = None,
-              enable_docs: bool = True) -> FastAPI:
+              enable_docs: bool = True, trust_request_chat_template: bool = False) -> FastAPI:
     """An app serving `engine`; the engine loop starts with the app and stops when it shuts down.
     The queue limit (429) and stall timeout are the engine's (AsyncLLMEngine arguments). Bodies
     over `max_request_body_bytes` (default: default_max_request_body_bytes) get 413; with an API
     key the docs need it too; `enable_docs=False` removes /docs, /redoc and /openapi.json."""
     ctx = ServerContext(engine=engine, metrics=ServerMetrics(engine), served_model_name=engine.served_model_name,
-                        api_key=api_key, enable_fault_injection=enable_fault_injection)
+                        api_key=api_key, enable_fault_injection=enable_fault_injection,
+                        trust_request_chat_template=trust_request_chat_template)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len)
 

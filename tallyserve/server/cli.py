@@ -48,6 +48,9 @@ def register(subparsers) -> None:
                    help="close a connection whose request headers are not complete this many seconds after it "
                         f"opened or sent its first byte, so half-open connections never pile up (default: "
                         f"{DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent in a request (off: such a request is a 400; a template "
+                        "can run for as long as it likes on the tokenizer thread)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -228,7 +231,8 @@ def serve(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)), stall_timeout=ns.stall_timeout,
                             max_queue_len=ns.max_queue_len, slow_client_timeout=ns.slow_client_timeout)
     app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,
-                    max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs)
+                    max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs,
+                    trust_request_chat_template=ns.trust_request_chat_template)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             http=header_timeout_protocol(ns.header_timeout),
                             access_log=not ns.disable_access_log, timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,

@@ -9,8 +9,8 @@ The rule the server applies (serving.check_unsupported):
   default or a value that asks for exactly what tallyserve does anyway, e.g. `tool_choice:
   "none"`, `store: false`, `priority: 0`, `spaces_between_special_tokens: true`, an identifier
   such as `prompt_cache_key`); any other value is a 400 with code "unsupported_parameter" whose
-  param is the field, so a client never believes a constraint (a JSON schema, a regex, a prompt
-  truncation...) held when it did not. Harmless values compare by JSON type too (`priority: false` is not `0`).
+  param is the field, so a client never believes a constraint (a JSON schema, a regex, a
+  tool call...) held when it did not. Harmless values compare by JSON type too (`priority: false` is not `0`).
 - nested: `stream_options.continuous_usage_stats` (vLLM's) is accepted only false.
 - neither (unknown to OpenAI and vLLM): ignored, with one warning per field name per process
   (OpenAI clients add fields over time).
@@ -114,9 +114,9 @@ _SHARED: dict[str, FieldInfo] = {
     "skip_special_tokens": _h("detokenization"),
     "allowed_token_ids": _h("restrict sampling to these ids"),
     "bad_words": _h("never generate these words"),
+    "truncate_prompt_tokens": _h("keep only the last N prompt tokens (-1: max_model_len); usage counts the kept ones"),
     # vLLM extras tallyserve does not implement
     "spaces_between_special_tokens": _u("detokenization takes no such option (true, the default, is accepted)", True),
-    "truncate_prompt_tokens": _u("prompt truncation is not implemented; long prompts are a 400"),
     "prompt_logprobs": _u("prompt logprobs are not computed"),
     "guided_json": _u("structured output (guided decoding) is not implemented"),
     "guided_regex": _u("structured output (guided decoding) is not implemented"),
@@ -143,9 +143,9 @@ COMPLETION_FIELDS: dict[str, FieldInfo] = {
     "prompt": _h("a string, strings, token ids or lists of token ids"),
     "echo": _h("prepend the prompt (not with logprobs: prompt logprobs are not computed)"),
     "logprobs": _h("top logprobs per output token (at most max_logprobs)"),
+    "add_special_tokens": _h("encode text prompts with special tokens (default true)"),
     "suffix": _u("insertion (suffix) is not implemented", ""),
     "prompt_embeds": _u("prompt embeddings are not accepted; send text or token ids"),
-    "add_special_tokens": _u("prompts are always encoded with special tokens", True),
     "response_format": _u("only plain text output is supported", TEXT_FORMAT),
 }
 
@@ -156,6 +156,11 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "logprobs": _h("logprobs of the output tokens"),
     "top_logprobs": _h("alternatives per token (needs logprobs, at most 20)"),
     "add_generation_prompt": _h("passed to the chat template"),
+    "continue_final_message": _h("the last message is left open and continued (not with add_generation_prompt)"),
+    "chat_template": _h("a Jinja template replacing the model's (rendered sandboxed; a failure is a 400)"),
+    "chat_template_kwargs": _h("extra variables for the chat template (e.g. enable_thinking)"),
+    "add_special_tokens": _h("also add the tokenizer's special tokens (e.g. BOS) to the rendered prompt"),
+    "echo": _h("prepend the last message's content when it is an assistant message (the turn continued)"),
     # OpenAI fields tallyserve does not implement
     "tools": _u("tool calling is not supported", []),
     "tool_choice": _u("tool calling is not supported", "none", "auto"),
@@ -175,12 +180,7 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "prompt_cache_key": _u("a caching hint: prefix caching is automatic", ANY_STRING),
     "safety_identifier": _u("an end-user identifier: changes no output", ANY_STRING),
     # vLLM chat extras tallyserve does not implement
-    "echo": _u("chat echo (prepending the last message) is not implemented", False),
-    "continue_final_message": _u("continuing the final message is not implemented", False),
-    "add_special_tokens": _u("the chat template places its own special tokens", False),
     "documents": _u("documents are not passed to the chat template", []),
-    "chat_template": _u("only the model's own chat template is used"),
-    "chat_template_kwargs": _u("no extra arguments are passed to the chat template", {}),
     "include_reasoning": _u("there is no reasoning parser: any reasoning stays in the content", True),
 }
 

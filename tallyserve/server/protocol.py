@@ -99,6 +99,8 @@ class SamplingFields(_Request):
     repetition_penalty: Optional[float] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # keep only the last N prompt tokens (left truncation); -1: max_model_len
+    truncate_prompt_tokens: Optional[int] = None
 
     @property
     def include_usage(self) -> bool:
@@ -112,6 +114,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
+    add_special_tokens: Optional[bool] = True  # for text prompts (e.g. a BOS)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -124,6 +127,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
+    # vLLM's chat template controls
+    continue_final_message: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = False  # the template places its own special tokens
+    echo: Optional[bool] = False  # prepend the last message's content when it is an assistant message
 
     @property
     def effective_max_tokens(self) -> Optional[int]:
@@ -298,12 +307,16 @@ class ErrorResponse(_Response):
 class TokenizeRequest(_Request):
     """POST /tokenize: either `prompt` (completion style) or `messages` (through the chat template),
     as vLLM's TokenizeCompletionRequest / TokenizeChatRequest. `add_special_tokens` defaults to
-    true for a prompt and false for messages (the template places its own special tokens)."""
+    true for a prompt and false for messages (the template places its own special tokens); with
+    messages, continue_final_message / chat_template / chat_template_kwargs work as in chat."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[Any]] = None
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: Optional[bool] = None
     return_token_strs: Optional[bool] = False
 

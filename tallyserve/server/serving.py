@@ -40,6 +40,7 @@ class ServerContext:
     served_model_name: str
     api_key: Optional[str] = None
     enable_fault_injection: bool = False
+    trust_request_chat_template: bool = False  # render a chat_template sent in a request (vLLM's flag)
     # One worker with its own tokenizer copy: no tokenizer object is ever used by two threads.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tallyserve-tokenize"))

@@ -1,9 +1,16 @@
 """POST /v1/chat/completions: messages through the model's chat template, one engine request
-(or, with use_beam_search, one beam search group whose n best sequences are the choices)."""
+(or, with use_beam_search, one beam search group whose n best sequences are the choices).
+
+vLLM's chat template controls: continue_final_message (the last message is rendered open and the
+model continues it; add_generation_prompt then defaults to false, and both true is a 400),
+chat_template / chat_template_kwargs (rendered in transformers' sandboxed Jinja; a template that
+fails is a 400 naming chat_template), add_special_tokens, echo (the last message's content is
+prepended to each choice when it is an assistant message, i.e. when its role is the response's)
+and truncate_prompt_tokens (the last N template tokens are kept)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Union
+from typing import Any, AsyncIterator, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -15,10 +22,13 @@ from tallyserve.server.logprobs import chat_logprobs
 from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
-from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
-                                       check_model, check_prompt_ids, check_unsupported, chunk_sse, collect, merged,
-                                       prime, sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
+from tallyserve.server.serving import (INLINE_TOKENIZE_CHARS, SSE_DONE, ChoiceProgress, SSEResponse, ServerContext,
+                                       check_admission, check_model, check_prompt_ids, check_unsupported, chunk_sse,
+                                       collect, merged, prime, sampling_params, sse, stream_error_event, text_size,
+                                       tokenize, tracked)
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
+from tallyserve.server.serving_completion import truncation
+from tallyserve.tokenizer import ChatTemplateError, normalise_messages
 
 MESSAGE_QUOTE_CHARS = QUOTE_LIMIT + 200  # a chat template error: its own words plus what it quotes
 
@@ -38,22 +48,67 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[Samp
     return sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias, ctx=ctx)
 
 
+def chat_controls(req: Any, ctx: ServerContext) -> dict[str, Any]:
+    """The chat template arguments of a chat (or /tokenize) request, with vLLM's rule for the two
+    flags: add_generation_prompt defaults to true, but to false when continue_final_message is set
+    and add_generation_prompt is not sent; both sent true is a 400 (render_chat raises it). A
+    request's own chat_template runs only on a server started with --trust-request-chat-template:
+    the sandbox stops escapes, not a template built to loop for minutes on the tokenizer thread."""
+    if req.chat_template is not None and not ctx.trust_request_chat_template:
+        raise bad_request("chat_template in the request is refused by this server: it renders only its own "
+                          "template unless started with --trust-request-chat-template", "chat_template",
+                          "unsupported_parameter")
+    cont = bool(req.continue_final_message)
+    if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt is not None:
+        add = bool(req.add_generation_prompt)
+    else:
+        add = not cont
+    return dict(add_generation_prompt=add, continue_final_message=cont, chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs)
+
+
+def template_size(req: Any) -> int:
+    """The cost of rendering: the messages' text, or, for a request's own chat template (whose
+    running time the server cannot bound), enough to render it off the event loop."""
+    size = text_size(req.messages)
+    if req.chat_template is not None:
+        size += INLINE_TOKENIZE_CHARS + len(req.chat_template)
+    return size
+
+
+def template_error(exc: ValueError) -> Exception:
+    """A chat template (or message) failure as a 400 naming the field to blame."""
+    param = exc.param if isinstance(exc, ChatTemplateError) else "messages"
+    return bad_request(clip(str(exc), MESSAGE_QUOTE_CHARS), param)  # it may quote the messages: keep it short
+
+
 async def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
     """The chat template's token ids (large conversations are rendered off the event loop)."""
     if ctx.engine.tokenizer is None:
         raise bad_request("this model has no tokenizer, so it has no chat template; use /v1/completions "
                           "with token ids", "messages")
-    messages, add = req.messages, req.add_generation_prompt is not False
+    messages, controls, special = req.messages, chat_controls(req, ctx), bool(req.add_special_tokens)
     try:
-        return await tokenize(ctx, text_size(messages),
-                              lambda tok: tok.apply_chat_template(messages, add_generation_prompt=add))
-    except ValueError as exc:  # its message may quote the messages: keep it short
-        raise bad_request(clip(str(exc), MESSAGE_QUOTE_CHARS), "messages") from exc
+        return await tokenize(ctx, template_size(req),
+                              lambda tok: tok.apply_chat_template(messages, add_special_tokens=special, **controls))
+    except ValueError as exc:
+        raise template_error(exc) from exc
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when its role is the response's (assistant)."""
+    if not req.echo:
+        return ""
+    last = normalise_messages(req.messages[-1:])[0]  # already validated by the template render
+    return (last["content"] or "") if last["role"] == "assistant" else ""
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     params = _check_request(ctx, req)
+    keep = truncation(ctx, req.truncate_prompt_tokens)
     ids = await _prompt_ids(ctx, req)
+    if keep is not None:
+        ids = ids[-keep:]
     check_prompt_ids(ctx, ids, params, "messages")
     if isinstance(params, BeamSpec):
         check_beam_fits(ctx, params, len(ids))
@@ -72,12 +127,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
 def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
               out: RequestOutput) -> ChatCompletionResponse:
-    choices = []
+    choices, prefix = [], _echo_text(req)
     for o in out.outputs:
         lp = None
         if req.logprobs and o.logprobs is not None:
             lp = chat_logprobs(ctx.engine.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
-        choices.append(ChatChoice(index=o.index, message=ChatMessage(content=o.text), logprobs=lp,
+        choices.append(ChatChoice(index=o.index, message=ChatMessage(content=prefix + o.text), logprobs=lp,
                                   finish_reason=o.finish_reason))
     usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
     return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
@@ -95,8 +150,9 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
     progress = [ChoiceProgress() for _ in range(n)]
     last = None
     try:
+        echo = _echo_text(req)  # in the first chunk of each choice
         for i in range(n):
-            yield chunk(i, DeltaMessage(role="assistant", content=""))
+            yield chunk(i, DeltaMessage(role="assistant", content=echo))
         async for _, out in stream:
             last = out
             for o in out.outputs:

@@ -23,6 +23,23 @@ from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits,
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
 
 
+def truncation(ctx: ServerContext, value: Optional[int]) -> Optional[int]:
+    """vLLM's truncate_prompt_tokens: how many prompt tokens to keep (the last ones), or None for
+    all. -1 means max_model_len; a value above max_model_len is a 400, as in vLLM."""
+    if value is None:
+        return None
+    max_len = ctx.engine.max_model_len
+    if value == -1:
+        return max_len
+    if value < 1:
+        raise bad_request(f"truncate_prompt_tokens must be at least 1 (or -1 for max_model_len), got {quote(value)}",
+                          "truncate_prompt_tokens")
+    if value > max_len:
+        raise bad_request(f"truncate_prompt_tokens ({value}) is greater than max_model_len ({max_len}); "
+                          "send a smaller value, or -1 for max_model_len", "truncate_prompt_tokens")
+    return value
+
+
 @dataclass
 class _Prompt:
     text: Optional[str]
@@ -35,14 +52,17 @@ class _Prompt:
         return tok.decode(self.ids, skip_special_tokens=False) if tok is not None else ""
 
 
-async def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
+async def _prompts(ctx: ServerContext, prompt, add_special_tokens: bool = True,
+                   keep: Optional[int] = None) -> list[_Prompt]:
     """str | list[str] | list[int] | list[list[int]] -> prompts with token ids (large texts are
-    tokenized off the event loop)."""
+    tokenized off the event loop). `keep`: truncate_prompt_tokens (left truncation); a truncated
+    text prompt is echoed as the text of the tokens kept."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else prompt
         if ctx.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        ids = await tokenize(ctx, text_size(texts), lambda tok: [tok.encode(t) for t in texts])
+        ids = await tokenize(ctx, text_size(texts),
+                             lambda tok: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
         items = [_Prompt(t, i) for t, i in zip(texts, ids)]
     elif prompt and isinstance(prompt[0], int):
         items = [_Prompt(None, list(prompt))]
@@ -52,6 +72,8 @@ async def _prompts(ctx: ServerContext, prompt) -> list[_Prompt]:
         raise bad_request("prompt must not be empty", "prompt")
     if len(items) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    if keep is not None:
+        items = [p if len(p.ids) <= keep else _Prompt(None, p.ids[-keep:]) for p in items]
     return items
 
 
@@ -69,7 +91,8 @@ def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[Sampling
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
     params = _check_request(ctx, req)
-    prompts = await _prompts(ctx, req.prompt)
+    keep = truncation(ctx, req.truncate_prompt_tokens)
+    prompts = await _prompts(ctx, req.prompt, req.add_special_tokens is not False, keep)
     for p in prompts:
         check_prompt_ids(ctx, p.ids, params, "prompt")
         if isinstance(params, BeamSpec):

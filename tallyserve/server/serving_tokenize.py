@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse
 
 from tallyserve.server.errors import bad_request, clip, quote
 from tallyserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from tallyserve.server.serving import ServerContext, check_model, text_size, tokenize
-from tallyserve.server.serving_chat import MESSAGE_QUOTE_CHARS
+from tallyserve.server.serving import ServerContext, check_model, tokenize
+from tallyserve.server.serving_chat import MESSAGE_QUOTE_CHARS, chat_controls, template_error, template_size
 
 
 def _tokenizer_or_400(ctx: ServerContext, param: str) -> None:
@@ -41,19 +41,19 @@ async def create_tokenize(ctx: ServerContext, req: TokenizeRequest) -> JSONRespo
             return ids, _token_strs(tok, ids) if want_strs else None
         size = len(text)
     else:
-        messages, add = req.messages, req.add_generation_prompt is not False
+        messages, controls = req.messages, chat_controls(req, ctx)  # vLLM's chat template controls
         special = bool(req.add_special_tokens)  # default false: the template places its own
 
         def run(tok: Any) -> tuple[list[int], Optional[list[str]]]:
-            if special:
-                ids = tok.encode(tok.render_chat(messages, add_generation_prompt=add), add_special_tokens=True)
-            else:  # exactly what /v1/chat/completions sends to the engine
-                ids = tok.apply_chat_template(messages, add_generation_prompt=add)
+            # exactly what /v1/chat/completions sends to the engine
+            ids = tok.apply_chat_template(messages, add_special_tokens=special, **controls)
             return ids, _token_strs(tok, ids) if want_strs else None
-        size = text_size(messages)
+        size = template_size(req)
     try:
         ids, strs = await tokenize(ctx, size, run)
     except ValueError as exc:  # a bad message or template error; it may quote the input: keep it short
+        if req.messages is not None:
+            raise template_error(exc) from exc
         raise bad_request(clip(str(exc), MESSAGE_QUOTE_CHARS), param) from exc
     body = TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids, token_strs=strs)
     return JSONResponse(body.model_dump())

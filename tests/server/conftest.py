@@ -26,7 +26,8 @@ def server_logs(tmp_path_factory):
 def api_server(tiny_model_dir, server_logs):
     """The server the API, bad-request and concurrency tests share (started once: startup is the
     slow part on a loaded 2-core machine). Tests that kill or stall a server start their own."""
-    srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY)
+    srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY,
+                     "--trust-request-chat-template")
     yield srv
     srv.stop()
 
