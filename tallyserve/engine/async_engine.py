@@ -30,18 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MAX_JUMP, SEED_SECONDS_PER_TOKEN,
+                                      STALL_FACTOR, HealthState)
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STALL_TIMEOUT_S = 5.0
 DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
-SEED_SECONDS_PER_TOKEN = 0.02  # conservative CPU figure, until a finished step gives a measurement
-STALL_FACTOR = 8.0  # a running step is stalled past stall_timeout + STALL_FACTOR x its predicted time
-_EMA_ALPHA = 0.2  # weight of the newest step in the seconds-per-token average
-_EMA_MAX_JUMP = 4.0  # one step counts as at most this many times the estimate (an injected stall, a GC pause)
 _IDLE_WAIT_S = 0.1  # the idle loop wakes this often to beat its heart
 
 
@@ -95,55 +92,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=_OutputQueue)
     finished: bool = False
-
-
-@dataclass(frozen=True)
-class HealthState:
-    alive: bool
-    draining: bool
-    pending: int
-    seconds_since_heartbeat: float
-    stall_timeout: float
-    dead_reason: Optional[str]
-    step_running_s: Optional[float] = None  # how long the running step has run; None between steps
-    step_tokens: int = 0  # tokens the running step scheduled (0 if not known)
-    seconds_per_token: float = SEED_SECONDS_PER_TOKEN  # the loop's estimate from finished steps
-
-    @property
-    def predicted_step_s(self) -> float:
-        return self.seconds_per_token * self.step_tokens
-
-    @property
-    def step_limit_s(self) -> float:
-        """How long the running step may take before it counts as stalled."""
-        return self.stall_timeout + STALL_FACTOR * self.predicted_step_s
-
-    @property
-    def stalled(self) -> bool:
-        if self.step_running_s is not None:
-            return self.step_running_s > self.step_limit_s
-        return self.pending > 0 and self.seconds_since_heartbeat > self.stall_timeout
-
-    @property
-    def healthy(self) -> bool:
-        return self.alive and not self.draining and not self.stalled
-
-    @property
-    def reason(self) -> str:
-        if not self.alive:
-            return f"engine loop is not running: {self.dead_reason or 'stopped'}"
-        if self.draining:
-            return "server is draining for shutdown"
-        if self.stalled and self.step_running_s is not None:
-            return (f"engine loop stalled: the running step has taken {self.step_running_s:.1f}s, over its limit "
-                    f"of {self.step_limit_s:.1f}s (stall timeout {self.stall_timeout}s + {STALL_FACTOR:g} x the "
-                    f"predicted {self.predicted_step_s:.3f}s for {self.step_tokens} token(s) at "
-                    f"{self.seconds_per_token * 1e3:.3f} ms/token), {self.pending} request(s) pending")
-        if self.stalled:
-            return (f"engine loop stalled: no step running and none completed for "
-                    f"{self.seconds_since_heartbeat:.1f}s with {self.pending} request(s) pending "
-                    f"(stall timeout {self.stall_timeout}s)")
-        return "ok"
 
 
 class AsyncLLMEngine:
@@ -372,9 +320,9 @@ class AsyncLLMEngine:
 
     def _observe_step(self, seconds: float, tokens: int) -> None:
         """Fold a finished step into the seconds-per-token average the stall rule predicts with.
-        One sample moves it up by at most _EMA_MAX_JUMP x, so a stalled step barely skews it."""
-        sample = min(seconds / tokens, _EMA_MAX_JUMP * self._seconds_per_token)
-        self._seconds_per_token += _EMA_ALPHA * (sample - self._seconds_per_token)
+        One sample moves it up by at most EMA_MAX_JUMP x, so a stalled step barely skews it."""
+        sample = min(seconds / tokens, EMA_MAX_JUMP * self._seconds_per_token)
+        self._seconds_per_token += EMA_ALPHA * (sample - self._seconds_per_token)
 
     def _drain_inbox(self, block: bool) -> Optional[str]:
         """Apply queued commands; the reason when asked to stop. Blocks briefly when idle."""

@@ -22,10 +22,10 @@ from tallyserve.server.logprobs import chat_logprobs
 from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
-from tallyserve.server.serving import (INLINE_TOKENIZE_CHARS, SSE_DONE, ChoiceProgress, SSEResponse, ServerContext,
-                                       check_admission, check_model, check_prompt_ids, check_unsupported, chunk_sse,
-                                       collect, merged, prime, sampling_params, sse, stream_error_event, text_size,
-                                       tokenize, tracked)
+from tallyserve.server.serving import (INLINE_TOKENIZE_CHARS, ServerContext, check_admission, check_model,
+                                       check_prompt_ids, check_unsupported, collect, merged, prime, sampling_params,
+                                       text_size, tokenize, tracked)
+from tallyserve.server.sse import SSE_DONE, ChoiceProgress, SSEResponse, chunk_sse, sse, stream_error_event
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 from tallyserve.server.serving_completion import truncation
 from tallyserve.tokenizer import ChatTemplateError, normalise_messages

@@ -15,9 +15,10 @@ from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
 from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo, now, random_id)
-from tallyserve.server.serving import (SSE_DONE, ChoiceProgress, SSEResponse, ServerContext, check_admission,
-                                       check_model, check_prompt_ids, check_unsupported, chunk_sse, collect, merged,
-                                       prime, sampling_params, sse, stream_error_event, text_size, tokenize, tracked)
+from tallyserve.server.serving import (ServerContext, check_admission, check_model, check_prompt_ids,
+                                       check_unsupported, collect, merged, prime, sampling_params, text_size, tokenize,
+                                       tracked)
+from tallyserve.server.sse import SSE_DONE, ChoiceProgress, SSEResponse, chunk_sse, sse, stream_error_event
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 
 MAX_PROMPTS = 2048  # OpenAI's limit on prompts per request
