@@ -88,3 +88,21 @@ class OracleRunner:
         self.last_index = {rid: i for i, rid in enumerate(sampled)}
         self.last_tokens = np.array([toks[-1] for toks in sampled.values()], dtype=np.int64)
         return batch, sampled
+
+
+def draw_requests(draw, max_len: int, max_new: int, arrivals) -> list[tuple]:
+    """Hypothesis: 1-12 requests sharing prefixes of one random token run, each
+    (request id, prompt, max_tokens, arrival step, abort step or None, priority)."""
+    from hypothesis import strategies as st
+
+    shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=max_len - 2))
+    reqs = []
+    for i in range(draw(st.integers(1, 12))):
+        share = draw(st.integers(0, len(shared)))
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max(1, max_len - share - 1)))
+        prompt = (shared[:share] + tail)[: max_len - 1]
+        max_tokens = draw(st.integers(1, max(1, min(max_new, max_len - len(prompt)))))
+        arrive = draw(arrivals)
+        abort_at = draw(st.one_of(st.none(), st.integers(0, 30)))
+        reqs.append((f"r{i}", prompt, max_tokens, arrive, abort_at, draw(st.integers(0, 2))))
+    return reqs

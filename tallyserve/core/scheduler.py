@@ -5,70 +5,26 @@ decode, prefix reuse and preemption all fall out of that. Every token charged co
 `ledger.query_tokens` / `ledger.charge`, after the prefix hit has been committed.
 
 vLLM's partial prefill knobs (max_num_partial_prefills, max_long_partial_prefills,
-long_prefill_token_threshold) only size chunks and gate admission (see `_PrefillSlots`); with their
-defaults every decision is today's.
+long_prefill_token_threshold) only size chunks and gate admission (`core/partial_prefill.py`); with
+their defaults every decision is today's.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
 from tallyserve.config import CacheConfig, SchedulerConfig, check_prompt_length
 from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
+from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPrefillPolicy, PrefillSlots, tokens_left
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from tallyserve.core.stats import SchedulerStats
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
-
-# _admit's answers besides a chunk size (> 0) or 0 (no room: stop admitting this step).
-_SKIP_LONG = -1  # long, and max_long_partial_prefills long prefills already run: try the next one
-_PARTIAL_FULL = -2  # it would stay mid-prefill and max_num_partial_prefills are: stop admitting
-
-
-@dataclass
-class _PrefillSlots:
-    """Concurrent partial prefills in the step being scheduled (only with the knobs on).
-
-    A request is *mid-prefill* while more than one of its tokens lacks KV once this step's chunk is
-    counted (one missing token is just its next decode row). It is *long* in a step when, as the step
-    begins (for a waiting request: after its committed prefix hit), more than
-    long_prefill_token_threshold of its tokens lack KV; it stays long for the whole step.
-    """
-
-    partial: int  # mid-prefill after this step
-    long: int  # long in this step
-
-
-def _tokens_left(req: Request, computed: int) -> int:
-    """Tokens of ``req`` still lacking KV with ``computed`` computed: the ledger's count without drafts."""
-    return ledger.query_tokens(req.num_tokens, computed)
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    scheduled_tokens: int = 0
-    forward_tokens: int = 0
-    ledger_violations: int = 0
-    step_errors: int = 0
-    prefix_hit_tokens: int = 0
-    partial_hit_tokens: int = 0
-    preemptions: int = 0
-    host_hit_tokens: int = 0
-    spec_proposed: int = 0
-    spec_accepted: int = 0
-    spec_verify_steps: int = 0
-    async_steps: int = 0  # steps scheduled while the previous one was still running
-    deferred_admissions: int = 0  # a waiting request waited a step for a prefix block being computed
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
@@ -94,8 +50,7 @@ class Scheduler:
         # the loops below take exactly today's decisions (a chunk is only ever cut by the budget, so at
         # most one request is mid-prefill anyway).
         cfg = scheduler_config
-        self._long_threshold = cfg.long_prefill_token_threshold
-        self._limit_prefills = cfg.max_num_partial_prefills > 1 or cfg.long_prefill_token_threshold > 0
+        self.prefills = PartialPrefillPolicy(cfg)
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -143,7 +98,7 @@ class Scheduler:
                 continue
             needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))
             # drafts are trimmed to fit, never overshoot; a long prefill's chunk is capped at the threshold
-            n = ledger.charge(needed, self._chunk_budget(req, req.num_computed_tokens, budget), chunked=True)
+            n = ledger.charge(needed, self.prefills.chunk_budget(req, req.num_computed_tokens, budget), chunked=True)
             if n == 0:
                 idx += 1
                 continue
@@ -169,7 +124,7 @@ class Scheduler:
         and nothing behind it (lower priority or later) takes its seat or blocks meanwhile."""
         cfg = self.config
         pending = self._pending_block_hashes(scheduled)
-        slots = self._prefill_slots(scheduled) if self._limit_prefills else None
+        slots = self.prefills.slots(self.running, scheduled) if self.prefills.enabled else None
         idx = 0  # stays 0 unless a long prefill is skipped for lack of a long slot (vLLM's queue jumping)
         while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[idx]
@@ -182,7 +137,7 @@ class Scheduler:
                 # In a tight pool the partial source's pinned block can be the one we lack.
                 hit = hit.without_partial()
                 n = self._admit(req, hit, budget, slots)
-            if n == _SKIP_LONG:
+            if n == SKIP_LONG:
                 idx += 1
                 continue
             if n <= 0:
@@ -215,42 +170,25 @@ class Scheduler:
         i = len(hit.blocks)  # the first block the cache could not serve
         return (i + 1) * self.kv.block_size < req.num_tokens and i < len(req.block_hashes) and req.block_hashes[i] in pending
 
-    def _admit(self, req: Request, hit, budget: int, slots: Optional[_PrefillSlots] = None) -> int:
+    def _admit(self, req: Request, hit, budget: int, slots: Optional[PrefillSlots] = None) -> int:
         """Size the chunk on the exact hit, commit (pin + allocate) it, return the tokens to charge.
-        With the partial prefill knobs (``slots``): _SKIP_LONG or _PARTIAL_FULL when it may not start
+        With the partial prefill knobs (``slots``): SKIP_LONG or PARTIAL_FULL when it may not start
         now; nothing is committed then."""
+        policy = self.prefills
         needed = ledger.query_tokens(req.num_tokens, hit.num_tokens, len(req.spec_token_ids))
-        is_long = False
-        if slots is not None:
-            is_long = 0 < self._long_threshold < _tokens_left(req, hit.num_tokens)
-            if is_long and slots.long >= self.config.max_long_partial_prefills:
-                return _SKIP_LONG
-        n = ledger.charge(needed, self._chunk_budget(req, hit.num_tokens, budget), self.config.enable_chunked_prefill)
-        stays_partial = slots is not None and n > 0 and _tokens_left(req, hit.num_tokens) - n > 1
-        if stays_partial and slots.partial >= self.config.max_num_partial_prefills:
-            return _PARTIAL_FULL
+        is_long = slots is not None and policy.is_long(req, hit.num_tokens)
+        if is_long and slots.long >= policy.max_long:
+            return SKIP_LONG
+        n = ledger.charge(needed, policy.chunk_budget(req, hit.num_tokens, budget), self.config.enable_chunked_prefill)
+        stays_partial = slots is not None and n > 0 and tokens_left(req, hit.num_tokens) - n > 1
+        if stays_partial and slots.partial >= policy.max_partial:
+            return PARTIAL_FULL
         if n == 0 or not self.kv.allocate_slots(req, n, hit):
             return 0
         if slots is not None:
             slots.partial += stays_partial
             slots.long += is_long
         return n
-
-    def _chunk_budget(self, req: Request, computed: int, budget: int) -> int:
-        """The budget a chunk of ``req`` may take: the step's, or for a long prefill (more than
-        long_prefill_token_threshold tokens without KV) at most the threshold (vLLM's cap)."""
-        if 0 < self._long_threshold < _tokens_left(req, computed):
-            return min(budget, self._long_threshold)
-        return budget
-
-    def _prefill_slots(self, scheduled: dict[str, int]) -> _PrefillSlots:
-        """Partial prefills among the running requests once the running loop has scheduled them."""
-        partial = long = 0
-        for req in self.running:
-            left = _tokens_left(req, req.num_computed_tokens)
-            partial += left - scheduled.get(req.request_id, 0) > 1
-            long += 0 < self._long_threshold < left
-        return _PrefillSlots(partial, long)
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: blocks go back to the pool (full ones stay cached)."""

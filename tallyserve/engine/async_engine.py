@@ -9,12 +9,8 @@ with `EngineDeadError` and new requests are refused.
 Outputs are cumulative, so a stream buffers at most one unconsumed RequestOutput: a newer one
 replaces it (a client that does not read costs one output, not one per step).
 
-Health is derived from what the loop publishes: it is alive, the time of its last heartbeat (a
-finished step, or an idle wait), whether a step is running (since when, and how many tokens it
-scheduled), and an estimate of seconds per scheduled token from finished steps. The loop is
-stalled when work is pending and no step completed within the stall window while none was running,
-or when the running step has run longer than the stall timeout plus STALL_FACTOR times its
-predicted duration: a long prefill that runs at the usual speed is progress, not a stall.
+Health (`engine/health.py`) is derived from what the loop publishes: alive, the last heartbeat,
+the running step (since when, how many tokens) and the seconds-per-token estimate of finished steps.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MAX_JUMP, SEED_SECONDS_PER_TOKEN,
-                                      STALL_FACTOR, HealthState)
+                                      HealthState)
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams

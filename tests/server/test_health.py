@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from tallyserve import SamplingParams
-from tallyserve.engine.async_engine import STALL_FACTOR, AsyncLLMEngine, FaultKind
+from tallyserve.engine.async_engine import AsyncLLMEngine, FaultKind
+from tallyserve.engine.health import STALL_FACTOR
 from tests.server.live_server import MODEL, LiveServer
 from tests.server.test_async_engine import GREEDY, PROMPTS, TIMEOUT_S, _engine, _final
 from tests.tiny_models import make_tiny_model

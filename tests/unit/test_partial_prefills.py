@@ -30,7 +30,7 @@ from tallyserve.core import ledger
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.request import Request, RequestStatus
 from tallyserve.sampling_params import SamplingParams
-from tests.kv_oracle import VOCAB, OracleRunner, next_token, reference_output
+from tests.kv_oracle import VOCAB, OracleRunner, draw_requests, next_token, reference_output
 
 EXAMPLES = int(os.environ.get("TALLYSERVE_FUZZ_EXAMPLES", "60"))
 
@@ -210,16 +210,7 @@ def workloads(draw):
         n=n, n_long=draw(st.integers(1, n)), threshold=draw(st.sampled_from([0, 1, 2, 3, 5, 8, 16])) if knobs else 0,
     )
     cfg["spec"] = 0 if cfg["async_sched"] else draw(st.sampled_from([0, 0, 2]))
-    shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=max_len - 2))
-    reqs = []
-    for i in range(draw(st.integers(1, 12))):
-        share = draw(st.integers(0, len(shared)))
-        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max(1, max_len - share - 1)))
-        prompt = (shared[:share] + tail)[: max_len - 1]
-        max_tokens = draw(st.integers(1, max(1, min(16, max_len - len(prompt)))))
-        reqs.append((f"r{i}", prompt, max_tokens, draw(st.sampled_from([0, 0, 0, 1, 2, 4, 6])),
-                     draw(st.one_of(st.none(), st.integers(0, 30))), draw(st.integers(0, 2))))
-    return cfg, reqs
+    return cfg, draw_requests(draw, max_len, 16, st.sampled_from([0, 0, 0, 1, 2, 4, 6]))
 
 
 def _propose(sched: Scheduler, cfg: dict, step: int) -> None:

@@ -18,7 +18,7 @@ from tallyserve.core import ledger
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.request import Request, RequestStatus
 from tallyserve.sampling_params import SamplingParams
-from tests.kv_oracle import VOCAB, OracleRunner, reference_output
+from tests.kv_oracle import VOCAB, OracleRunner, draw_requests, reference_output
 
 EXAMPLES = int(os.environ.get("TALLYSERVE_FUZZ_EXAMPLES", "60"))
 
@@ -42,17 +42,7 @@ def workloads(draw):
         forks=0 if async_sched else draw(st.sampled_from([0, 0, 0.2])),
         rng=draw(st.randoms(use_true_random=False)),
     )
-    shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=max_len - 2))
-    reqs = []
-    for i in range(draw(st.integers(1, 12))):
-        share = draw(st.integers(0, len(shared)))
-        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max(1, max_len - share - 1)))
-        prompt = (shared[:share] + tail)[: max_len - 1]
-        max_tokens = draw(st.integers(1, max(1, min(24, max_len - len(prompt)))))
-        arrive = draw(st.integers(0, 6))
-        abort_at = draw(st.one_of(st.none(), st.integers(0, 30)))
-        reqs.append((f"r{i}", prompt, max_tokens, arrive, abort_at, draw(st.integers(0, 2))))
-    return cfg, reqs
+    return cfg, draw_requests(draw, max_len, 24, st.integers(0, 6))
 
 
 def propose(sched, cfg, refs):

@@ -1,0 +1,26 @@
+"""The counters the scheduler and the engine core keep (what stats() and /metrics report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    forward_tokens: int = 0
+    ledger_violations: int = 0
+    step_errors: int = 0
+    prefix_hit_tokens: int = 0
+    partial_hit_tokens: int = 0
+    preemptions: int = 0
+    host_hit_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
+    async_steps: int = 0  # steps scheduled while the previous one was still running
+    deferred_admissions: int = 0  # a waiting request waited a step for a prefix block being computed
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
