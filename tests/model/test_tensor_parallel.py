@@ -108,6 +108,7 @@ def worker_main(rank: int, init_method: str, cases: dict[str, str], out_dir: Pat
                 assert all((lg is None) == (rank != 0) for lg in logits)
                 if rank == 0:
                     torch.save({"logits": logits, "greedy": greedy}, out_dir / f"{name}.{tag}.pt")
+        torch.distributed.barrier(group=group)  # neither rank leaves while the other is mid-collective
     finally:
         parallel_state.destroy()
 
@@ -343,4 +344,16 @@ def test_sharded_model_needs_the_group(model_dirs):
 
 
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4]), sys.argv[5] == "fused")
+    import traceback
+
+    try:
+        worker_main(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4]), sys.argv[5] == "fused")
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported through the log the test reads
+        traceback.print_exc()
+        code = 1
+    # As the executor's workers do: skip interpreter teardown, where gloo's background threads can
+    # abort the process ("terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
