@@ -156,6 +156,59 @@ def bad_words_to_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+    json (a JSON schema, as a dict or a JSON string), regex, choice (the output is one of these
+    strings), grammar (EBNF / GBNF), json_object (any JSON object) or structural_tag (a JSON
+    string). disable_any_whitespace: no optional whitespace in generated JSON.
+    disable_additional_properties: objects of a schema take no keys beyond ``properties``.
+    whitespace_pattern: a regex for the whitespace JSON may contain."""
+
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object "
+                             f"or structural_tag; got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                check_unicode(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            for i, c in enumerate(self.choice):
+                if not isinstance(c, str):
+                    raise ValueError(f"structured_outputs.choice[{i}] must be a string, got {c!r}")
+                check_unicode(f"structured_outputs.choice[{i}]", c)
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            _check_bool(f"structured_outputs.{name}", getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options. Defaults and meanings follow vLLM.
 
@@ -180,6 +233,9 @@ class SamplingParams:
     tokenizer; offline, pass bad_words_token_ids, or ``with_bad_words_tokenized(tokenizer)``.
     Greedy rows apply them too (they change the argmax). Log-probabilities stay those of the raw
     model distribution.
+
+    prompt_logprobs: top logprobs to return for every prompt token (0: only the prompt token's
+    own). structured_outputs: a constraint on the output (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -203,6 +259,8 @@ class SamplingParams:
     allowed_token_ids: Optional[Sequence[int]] = None
     bad_words: Optional[Sequence[str]] = None
     bad_words_token_ids: Optional[Sequence[Sequence[int]]] = None
+    prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__, once, here
@@ -226,6 +284,11 @@ class SamplingParams:
         set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):

@@ -154,6 +154,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
+        for name in ("prompt_logprobs", "structured_outputs"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name} is not supported yet")
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
