@@ -14,8 +14,9 @@ Kinds (``--workload``):
                   user messages of --multi-turn-user-len words, exponential think time
   file:PATH       a JSONL trace or a ShareGPT JSON file (see `tallyserve.bench.traces`)
 
-Lengths of synthetic text are in words: one word is one token for the simulator's tokenizer
-and roughly one or two for a real one (the report counts tokens from the server's `usage`).
+Lengths of synthetic text are in words: one word is one token for the simulator's tokenizer.
+`tallyserve bench` makes random and shared-prefix lengths exact token counts of the served model
+(`bench/token_lengths.py`); multi-turn chat lengths stay in words (about two tokens each).
 """
 
 from __future__ import annotations
@@ -234,7 +235,8 @@ def add_workload_args(parser: argparse.ArgumentParser, with_seed: bool = True) -
     g.add_argument("--request-rate", type=float, default=None,
                    help="requests per second, Poisson arrivals (default inf: all at once); conversations "
                    "start at this rate / their mean number of turns, so the offered load is this rate")
-    g.add_argument("--random-input-len", type=int, default=None)
+    g.add_argument("--random-input-len", type=int, default=None,
+                   help="prompt tokens per request (bench: exact, with a tokenizer; simulate: words = tokens)")
     g.add_argument("--random-output-len", type=int, default=None)
     g.add_argument("--random-range-ratio", type=float, default=None)
     g.add_argument("--shared-prefix-groups", type=int, default=None)

@@ -123,3 +123,45 @@ def test_bench_connection_errors_are_counted(tmp_path):
     _check_record(result, 4)
     assert result["completed"] == 0
     assert result["error_kinds"] == {"connect_error": 2, "skipped_after_error": 2}  # 2 conversations of 3 + 1
+
+
+@pytest.mark.parametrize("kind", ["random", "shared-prefix"])
+@pytest.mark.parametrize("source", ["server", "local"])
+def test_bench_prompt_lengths_are_tokens(server, tmp_path, kind, source):
+    """--random-input-len N means N prompt tokens (the server's usage), through the server's /tokenize
+    or a local tokenizer directory; shared-prefix requests of a group send identical prefix ids."""
+    from tallyserve.bench.workloads import WorkloadOptions, build_workload
+
+    args = ["--workload", kind, "--num-requests", "6", "--ignore-eos", "--random-output-len", "2",
+            "--random-input-len", "37", "--random-range-ratio", "0.5", "--shared-prefix-groups", "2",
+            "--shared-prefix-len", "21", "--shared-prefix-suffix-len", "5", "--seed", "3"]
+    if source == "local":
+        args += ["--tokenizer", make_tiny_tokenizer(str(tmp_path / "tok"))]  # the server's tokenizer, saved again
+    result = _bench(tmp_path, server.base_url, *args)
+    assert result["config"]["prompt_lengths"] == "tokens"
+    opts = WorkloadOptions(workload=kind, num_requests=6, seed=3, random_input_len=37, random_output_len=2,
+                           random_range_ratio=0.5, shared_prefix_groups=2, shared_prefix_len=21,
+                           shared_prefix_suffix_len=5)
+    words = {s.request_id: len(s.prompt.split()) for s in build_workload(opts).requests}
+    got = {r["request_id"]: r["prompt_tokens"] for r in result["requests"]}
+    assert got == words  # the words drawn are now exact token counts
+    if kind == "random":
+        assert len(set(got.values())) > 1  # the range ratio still varies them
+    else:
+        assert set(got.values()) == {26}
+
+
+def test_shared_prefix_token_ids_share_the_prefix(tmp_path):
+    from tallyserve.bench.token_lengths import apply_token_lengths, local_tokenizer
+    from tallyserve.bench.workloads import WorkloadOptions, build_workload
+
+    make_tiny_tokenizer(tmp_path)
+    wl = build_workload(WorkloadOptions(workload="shared-prefix", num_requests=12, shared_prefix_groups=3,
+                                        shared_prefix_len=30, shared_prefix_suffix_len=4, random_output_len=1))
+    groups = [s.prompt.split(" ")[:30] for s in wl.requests]
+    assert apply_token_lengths(wl, local_tokenizer(str(tmp_path))) == 12
+    heads: dict[str, list[int]] = {}
+    for words, spec in zip(groups, wl.requests):
+        assert spec.prompt is None and len(spec.prompt_token_ids) == 34
+        assert heads.setdefault(" ".join(words), spec.prompt_token_ids[:30]) == spec.prompt_token_ids[:30]
+    assert len(heads) == 3 and len({tuple(v) for v in heads.values()}) == 3
