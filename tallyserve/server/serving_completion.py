@@ -144,7 +144,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
                 if p.finished:
                     continue
                 delta, ids, lps = p.advance(o)
-                if not delta and not p.finished and not (lps and req.logprobs is not None):
+                if not delta and not p.finished and not (lps and req.logprobs is not None) \
+                        and ctx.engine.tokenizer is not None:  # no tokenizer: every token is an (empty) chunk
                     continue
                 if req.echo and not p.started:
                     delta = prompts[i].echo_text(ctx) + delta

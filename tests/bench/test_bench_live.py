@@ -165,3 +165,24 @@ def test_shared_prefix_token_ids_share_the_prefix(tmp_path):
         assert spec.prompt is None and len(spec.prompt_token_ids) == 34
         assert heads.setdefault(" ".join(words), spec.prompt_token_ids[:30]) == spec.prompt_token_ids[:30]
     assert len(heads) == 3 and len({tuple(v) for v in heads.values()}) == 3
+
+
+def test_bench_times_a_server_without_tokenizer(tmp_path):
+    """A dummy-weight style server with no tokenizer: token-id prompts from a trace, empty-text chunks
+    still mark each token's arrival, so TTFT is measured for every request (a fast engine may
+    coalesce a short answer into one chunk)."""
+    path = make_tiny_model(tmp_path / "m", "llama", seed=1)  # no tokenizer files
+    (tmp_path / "logs").mkdir()
+    srv = LiveServer(path, tmp_path / "logs")
+    try:
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text("".join(json.dumps({"prompt_token_ids": list(range(3, 3 + n)), "max_tokens": 5}) + "\n"
+                                 for n in (4, 9, 17)))
+        result = _bench(tmp_path, srv.base_url, "--workload", f"file:{trace}", "--ignore-eos")
+    finally:
+        srv.stop()
+    assert result["completed"] == 3 and result["errors"] == 0
+    assert [r["prompt_tokens"] for r in result["requests"]] == [4, 9, 17]
+    for r in result["requests"]:
+        assert r["completion_tokens"] == 5 and r["ttft_s"] is not None and r["num_chunks"] >= 1
+    assert result["p50_ttft_ms"] is not None

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""The serving path and the simulator against the offline engine, on one H200, in one call:
+
+    python3 benchmarks/h200_serving.py [--model llama-3-8b] [--scale 1.0] [--profile-repeats 2]
+
+1. offline   LLM(model, load_format="dummy"): warm-up, then h200_bench's mixed workload (256 requests,
+             256-1024 prompt tokens, 256 new, greedy, ignore_eos); makespan and ledger.
+2. profile   `tallyserve profile`'s grid measured on the same engine (batch 1-256, extra prefill tokens
+             0-8192, context 0-1280): the step-time table `simulate --hardware` interpolates.
+3. http      the engine is freed; `tallyserve serve` with the same model and defaults starts in a
+             subprocess; `tallyserve bench` sends the very same token-id prompts (a JSONL trace, all at
+             t=0, streaming) after a short warm-up. Goal: makespan within 3% of offline. The server's
+             /metrics give its ledger (scheduled == forward tokens).
+4. simulate  `tallyserve simulate` replays the trace with the measured profile (and with the roofline
+             model); makespan and TTFT p50/p99 against the HTTP run. Goal: within 5%.
+
+Writes $OUT/h200_serving.json (and the trace, profile and bench/sim records) when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from h200_bench import mixed_prompts, run_requests  # noqa: E402
+from h200_checks import log  # noqa: E402
+
+
+def _write_trace(path: Path, prompts, max_tokens: int) -> None:
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"request_id": f"mixed-{i}", "prompt_token_ids": p, "max_tokens": max_tokens,
+                                "arrival_s": 0.0}) + "\n")
+
+
+def _metrics(url: str) -> dict:
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError("server not healthy in time")
+
+
+def _pct_err(sim: float, real: float) -> float:
+    return round(100.0 * (sim - real) / real, 2) if real else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--skip-offline", action="store_true")
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT") or "/tmp/h200_serving")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    results: dict = {"model": args.model,
+                     "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    from tallyserve import LLM
+    from tallyserve.cli import main as cli_main
+    from tallyserve.profile import run_profile
+
+    # 1 + 2: offline makespan and the profile, on one engine
+    llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    prompts, max_new = mixed_prompts(vocab, args.scale)
+    trace = out_dir / "mixed_trace.jsonl"
+    _write_trace(trace, prompts, max_new)
+    rng = np.random.default_rng(3)
+    far = time.perf_counter() + 3600
+    max_len = engine.config.scheduler_config.max_model_len - 8
+    for i, n in enumerate(min(n, max_len) for n in (2, 3, 6, 12, 24, 100, 700)):
+        run_requests(engine, [rng.integers(0, vocab, size=n).tolist()] * 2, 4, far, f"warmup{i}")
+    if not args.skip_offline:
+        res = run_requests(engine, prompts, max_new, far, "offline")
+        res.pop("step_profile", None)
+        results["offline"] = res
+        log(f"offline: {res['wall_s']:.2f} s, ledger_ok {res['ledger_ok']}")
+    t0 = time.perf_counter()
+    grid = ([1, 16, 64, 128, 256], [0, 256, 1024, 2048, 8192], [0, 512, 1280]) if args.scale >= 1 else \
+        ([1, 2, 4], [0, 8, 32], [0, 16, 48])  # a smoke run on a small model
+    profile = run_profile(engine, *grid, args.profile_repeats, progress=False)
+    (out_dir / "profile.json").write_text(json.dumps(profile, indent=1))
+    results["profile_s"] = time.perf_counter() - t0
+    log(f"profile: {results['profile_s']:.1f} s")
+    del engine, llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # 3: the same trace over HTTP
+    url = f"http://127.0.0.1:{args.port}"
+    log_file = open(out_dir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tallyserve.cli", "serve", "--model", args.model,
+                             "--load-format", "dummy", "--dtype", args.dtype, "--port", str(args.port)],
+                            stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO),
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        _wait_healthy(url, proc, 600)
+        warm = out_dir / "warm_trace.jsonl"
+        _write_trace(warm, [rng.integers(0, vocab, size=min(n, max_len)).tolist() for n in (2, 24, 100, 700, 300, 50)], 4)
+        cli_main(["bench", "--base-url", url, "--workload", f"file:{warm}", "--ignore-eos", "--disable-tqdm"])
+        before = _metrics(url)
+        rc = cli_main(["bench", "--base-url", url, "--workload", f"file:{trace}", "--ignore-eos", "--disable-tqdm",
+                       "--output", str(out_dir / "http_bench.json")])
+        after = _metrics(url)
+        http = json.loads((out_dir / "http_bench.json").read_text())
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("tallyserve_scheduled_tokens_total",
+                                                             "tallyserve_forward_tokens_total",
+                                                             "tallyserve_ledger_violations_total")}
+        results["http"] = {"rc": rc, "duration_s": http["duration_s"], "completed": http["completed"],
+                           "errors": http["errors"], "input_tokens": http["total_input_tokens"],
+                           "output_tokens": http["total_output_tokens"],
+                           "ttft_p50_ms": http["p50_ttft_ms"], "ttft_p99_ms": http["p99_ttft_ms"],
+                           "itl_p50_ms": http["p50_itl_ms"], "itl_p99_ms": http["p99_itl_ms"],
+                           "ledger": d, "ledger_ok": d["tallyserve_scheduled_tokens_total"]
+                           == d["tallyserve_forward_tokens_total"] and d["tallyserve_ledger_violations_total"] == 0}
+        log(f"http: {json.dumps(results['http'])}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log_file.close()
+    if "offline" in results:
+        results["http_over_offline"] = round(results["http"]["duration_s"] / results["offline"]["wall_s"], 4)
+
+    # 4: the simulator replays the trace
+    for tag, hw in (("sim_profile", str(out_dir / "profile.json")), ("sim_roofline", "h200")):
+        path = out_dir / f"{tag}.json"
+        cli_main(["simulate", "--workload", f"file:{trace}", "--model-config", args.model, "--hardware", hw,
+                  "--output", str(path), "--disable-tqdm"])
+        sim = json.loads(path.read_text())
+        h = results["http"]
+        results[tag] = {"makespan_s": sim["duration_s"], "ttft_p50_ms": sim["p50_ttft_ms"],
+                        "ttft_p99_ms": sim["p99_ttft_ms"],
+                        "err_makespan_pct": _pct_err(sim["duration_s"], h["duration_s"]),
+                        "err_ttft_p50_pct": _pct_err(sim["p50_ttft_ms"], h["ttft_p50_ms"]),
+                        "err_ttft_p99_pct": _pct_err(sim["p99_ttft_ms"], h["ttft_p99_ms"])}
+        log(f"{tag}: {json.dumps(results[tag])}")
+    results["total_s"] = time.perf_counter() - t_start
+    (out_dir / "h200_serving.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
