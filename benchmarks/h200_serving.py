@@ -6,7 +6,7 @@
 1. offline   LLM(model, load_format="dummy"): warm-up, then h200_bench's mixed workload (256 requests,
              256-1024 prompt tokens, 256 new, greedy, ignore_eos); makespan and ledger.
 2. profile   `tallyserve profile`'s grid measured on the same engine (batch 1-256, extra prefill tokens
-             0-8192, context 0-1280): the step-time table `simulate --hardware` interpolates.
+             0-6800, context 0-1280): the step-time table `simulate --hardware` interpolates.
 3. http      the engine is freed; `tallyserve serve` with the same model and defaults starts in a
              subprocess; `tallyserve bench` sends the very same token-id prompts (a JSONL trace, all at
              t=0, streaming) after a short warm-up. Goal: makespan within 3% of offline. The server's
@@ -114,7 +114,7 @@ def main() -> int:
         results["offline"] = res
         log(f"offline: {res['wall_s']:.2f} s, ledger_ok {res['ledger_ok']}")
     t0 = time.perf_counter()
-    grid = ([1, 16, 64, 128, 256], [0, 256, 1024, 2048, 8192], [0, 512, 1280]) if args.scale >= 1 else \
+    grid = ([1, 16, 64, 128, 256], [0, 256, 1024, 2048, 4096, 6800], [0, 512, 1280]) if args.scale >= 1 else \
         ([1, 2, 4], [0, 8, 32], [0, 16, 48])  # a smoke run on a small model
     profile = run_profile(engine, *grid, args.profile_repeats, progress=False)
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=1))
@@ -130,7 +130,8 @@ def main() -> int:
     proc = subprocess.Popen([sys.executable, "-m", "tallyserve.cli", "serve", "--model", args.model,
                              "--load-format", "dummy", "--dtype", args.dtype, "--port", str(args.port)],
                             stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO),
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
     try:
         _wait_healthy(url, proc, 600)
         warm = out_dir / "warm_trace.jsonl"

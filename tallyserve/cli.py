@@ -85,11 +85,34 @@ def _generate_parser(sub) -> None:
 SUBCOMMANDS: list[Callable[[Any], None]] = [_generate_parser]
 
 
+_OPTIONAL = {"tallyserve.server.cli": ("serve",), "tallyserve.bench.cli": ("bench",),
+             "tallyserve.sim.cli": ("simulate",), "tallyserve.profile": ("profile",)}
+_UNAVAILABLE: set[str] = set()
+
+
+def _unavailable(names: tuple[str, ...], exc: ImportError) -> Callable[[Any], None]:
+    """A subcommand whose module cannot be imported still parses, and says why it cannot run."""
+    def fail(ns: argparse.Namespace) -> int:
+        print(f"tallyserve: error: `tallyserve {ns.command}` needs a package that is not installed: {exc} "
+              f"(install tallyserve with its dependencies: pip install -e .)", file=sys.stderr)
+        return 2
+
+    def register(sub) -> None:
+        for name in names:
+            p = sub.add_parser(name, help=f"(unavailable: {exc})", add_help=False, prefix_chars="\0")
+            p.add_argument("args", nargs="*")  # whatever follows: no option is parsed
+            p.set_defaults(func=fail)
+    return register
+
+
 def _load_optional_subcommands() -> None:
-    for mod in ("tallyserve.server.cli", "tallyserve.bench.cli", "tallyserve.sim.cli", "tallyserve.profile"):
+    for mod, names in _OPTIONAL.items():
         try:
             __import__(mod)
-        except ImportError:
+        except ImportError as exc:
+            if mod not in _UNAVAILABLE:
+                _UNAVAILABLE.add(mod)
+                SUBCOMMANDS.append(_unavailable(names, exc))
             continue
         builder = getattr(sys.modules[mod], "register", None)
         if builder is not None and builder not in SUBCOMMANDS:
