@@ -78,6 +78,42 @@ def _pct_err(sim: float, real: float) -> float:
     return round(100.0 * (sim - real) / real, 2) if real else float("nan")
 
 
+def run_http(args, out_dir: Path, trace: Path, warm: Path, name: str, env: dict, cli_main) -> dict:
+    """Start `tallyserve serve` (same model and defaults, `env` added), warm it up, bench the trace."""
+    url = f"http://127.0.0.1:{args.port}"
+    log_file = open(out_dir / f"server_{name}.log", "w")
+    path = os.pathsep.join(filter(None, [str(REPO), env.pop("PYTHONPATH_PREPEND", None), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "tallyserve.cli", "serve", "--model", args.model,
+                             "--load-format", "dummy", "--dtype", args.dtype, "--port", str(args.port)],
+                            stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO),
+                            env=dict(os.environ, PYTHONPATH=path, **env))
+    try:
+        _wait_healthy(url, proc, 600)
+        cli_main(["bench", "--base-url", url, "--workload", f"file:{warm}", "--ignore-eos", "--disable-tqdm"])
+        before = _metrics(url)
+        record = out_dir / f"http_bench_{name}.json"
+        rc = cli_main(["bench", "--base-url", url, "--workload", f"file:{trace}", "--ignore-eos", "--disable-tqdm",
+                       "--output", str(record)])
+        after = _metrics(url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log_file.close()
+    http = json.loads(record.read_text())
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("tallyserve_scheduled_tokens_total",
+                                                         "tallyserve_forward_tokens_total",
+                                                         "tallyserve_ledger_violations_total")}
+    return {"rc": rc, "duration_s": http["duration_s"], "completed": http["completed"], "errors": http["errors"],
+            "input_tokens": http["total_input_tokens"], "output_tokens": http["total_output_tokens"],
+            "ttft_p50_ms": http["p50_ttft_ms"], "ttft_p99_ms": http["p99_ttft_ms"],
+            "itl_p50_ms": http["p50_itl_ms"], "itl_p99_ms": http["p99_itl_ms"], "ledger": d,
+            "ledger_ok": d["tallyserve_scheduled_tokens_total"] == d["tallyserve_forward_tokens_total"]
+            and d["tallyserve_ledger_violations_total"] == 0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3-8b")
@@ -86,6 +122,10 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--profile-repeats", type=int, default=2)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--skip-sim", action="store_true")
+    ap.add_argument("--http-variant", action="append", default=[],
+                    help="NAME:ENV=VAL;ENV=VAL (PYTHONPATH_PREPEND=DIR adds a site dir): one server run each; "
+                    "the first is compared with the simulator (default: one run, no extra env)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT") or "/tmp/h200_serving")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,47 +164,22 @@ def main() -> int:
     gc.collect()
     torch.cuda.empty_cache()
 
-    # 3: the same trace over HTTP
-    url = f"http://127.0.0.1:{args.port}"
-    log_file = open(out_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tallyserve.cli", "serve", "--model", args.model,
-                             "--load-format", "dummy", "--dtype", args.dtype, "--port", str(args.port)],
-                            stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO),
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
-    try:
-        _wait_healthy(url, proc, 600)
-        warm = out_dir / "warm_trace.jsonl"
-        _write_trace(warm, [rng.integers(0, vocab, size=min(n, max_len)).tolist() for n in (2, 24, 100, 700, 300, 50)], 4)
-        cli_main(["bench", "--base-url", url, "--workload", f"file:{warm}", "--ignore-eos", "--disable-tqdm"])
-        before = _metrics(url)
-        rc = cli_main(["bench", "--base-url", url, "--workload", f"file:{trace}", "--ignore-eos", "--disable-tqdm",
-                       "--output", str(out_dir / "http_bench.json")])
-        after = _metrics(url)
-        http = json.loads((out_dir / "http_bench.json").read_text())
-        d = {k: after.get(k, 0) - before.get(k, 0) for k in ("tallyserve_scheduled_tokens_total",
-                                                             "tallyserve_forward_tokens_total",
-                                                             "tallyserve_ledger_violations_total")}
-        results["http"] = {"rc": rc, "duration_s": http["duration_s"], "completed": http["completed"],
-                           "errors": http["errors"], "input_tokens": http["total_input_tokens"],
-                           "output_tokens": http["total_output_tokens"],
-                           "ttft_p50_ms": http["p50_ttft_ms"], "ttft_p99_ms": http["p99_ttft_ms"],
-                           "itl_p50_ms": http["p50_itl_ms"], "itl_p99_ms": http["p99_itl_ms"],
-                           "ledger": d, "ledger_ok": d["tallyserve_scheduled_tokens_total"]
-                           == d["tallyserve_forward_tokens_total"] and d["tallyserve_ledger_violations_total"] == 0}
-        log(f"http: {json.dumps(results['http'])}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log_file.close()
+    # 3: the same trace over HTTP, once per server variant (the first is "http")
+    warm = out_dir / "warm_trace.jsonl"
+    _write_trace(warm, [rng.integers(0, vocab, size=min(n, max_len)).tolist() for n in (2, 24, 100, 700, 300, 50)], 4)
+    for i, variant in enumerate(args.http_variant or ["default"]):
+        name, _, envs = variant.partition(":")
+        env = dict(kv.split("=", 1) for kv in envs.split(";") if kv)
+        key = "http" if i == 0 else f"http_{name}"
+        results[key] = run_http(args, out_dir, trace, warm, name, env, cli_main)
+        results[key]["env"] = env
+        log(f"{key}: {json.dumps(results[key])}")
     if "offline" in results:
-        results["http_over_offline"] = round(results["http"]["duration_s"] / results["offline"]["wall_s"], 4)
+        for key in [k for k in results if k.startswith("http")]:
+            results[key]["over_offline"] = round(results[key]["duration_s"] / results["offline"]["wall_s"], 4)
 
     # 4: the simulator replays the trace
-    for tag, hw in (("sim_profile", str(out_dir / "profile.json")), ("sim_roofline", "h200")):
+    for tag, hw in [] if args.skip_sim else (("sim_profile", str(out_dir / "profile.json")), ("sim_roofline", "h200")):
         path = out_dir / f"{tag}.json"
         cli_main(["simulate", "--workload", f"file:{trace}", "--model-config", args.model, "--hardware", hw,
                   "--output", str(path), "--disable-tqdm"])
