@@ -6,10 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import resource
 import signal
-import sys
 import time
 from typing import Iterator, Optional
 
@@ -226,9 +224,6 @@ def serve(ns: argparse.Namespace) -> int:
     if (ns.node_rank or 0) > 0:
         return serve_worker_node(ns)
     raise_open_file_limit()
-    switch = os.environ.get("TALLYSERVE_GIL_SWITCH_INTERVAL_S")
-    if switch:  # experiment knob: how long the HTTP side may hold the GIL before the engine thread gets it
-        sys.setswitchinterval(float(switch))
     from tallyserve.engine.async_engine import AsyncLLMEngine
     from tallyserve.engine.llm_engine import LLMEngine
     from tallyserve.server.app import build_app
