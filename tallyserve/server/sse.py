@@ -98,16 +98,35 @@ class SlowClientError(Exception):
     closed directly, so the response fails and the server closes it)."""
 
 
+_FRAMING_BYTES = 64  # chunked-encoding framing (or response headers) a send adds to its body
+
+
 class _SlowClientGuard:
     """Wraps an SSE response's `send` with the slow client timeout; see SSEResponse."""
 
     def __init__(self, response: SSEResponse, send: Any, timeout: float, metrics: ServerMetrics) -> None:
         self.response, self.inner, self.timeout, self.metrics = response, send, timeout, metrics
         self.cut_off = False
+        # A send blocks only when writing is paused, or when this write takes the transport's
+        # buffer past its high-water mark (the server then waits for it to drain). Short of both,
+        # the send needs no timer (a task and a timer per chunk add up at hundreds of streams).
+        owner = _find_owner(send, "transport")
+        flow = getattr(owner, "flow", None) if owner is not None else None
+        self.flow, self.transport = (flow, owner.transport) if hasattr(flow, "write_paused") else (None, None)
+        self.high_water = self.transport.get_write_buffer_limits()[1] if self.transport is not None else 0
+
+    def _cannot_block(self, message: dict) -> bool:
+        if self.flow is None or self.flow.write_paused:
+            return False
+        size = len(message.get("body", b"")) + _FRAMING_BYTES
+        return self.transport.get_write_buffer_size() + size <= self.high_water
 
     async def send(self, message: dict) -> None:
         if self.cut_off:
             return  # the connection is gone: the rest of the response goes nowhere
+        if self._cannot_block(message):
+            await self.inner(message)
+            return
         try:
             await asyncio.wait_for(self.inner(message), self.timeout)
         except asyncio.TimeoutError:
@@ -131,19 +150,26 @@ def _server_context(scope) -> Optional[ServerContext]:
     return ctx if isinstance(ctx, ServerContext) else None
 
 
-def _find_transport(send: Any, max_depth: int = 12) -> Optional[asyncio.BaseTransport]:
+def _find_transport(send: Any) -> Optional[asyncio.BaseTransport]:
     """The connection's transport behind an ASGI `send`: uvicorn's `send` is a method of its
-    request-response cycle, which holds the transport; middlewares wrap it in closures. ASGI gives
-    no other way to drop a connection whose client does not read. None if not found."""
+    request-response cycle, which holds the transport (and the flow control); middlewares wrap it
+    in closures. ASGI gives no other way to drop a connection whose client does not read."""
+    owner = _find_owner(send, "transport")
+    return owner.transport if owner is not None else None
+
+
+def _find_owner(send: Any, attr: str, max_depth: int = 12) -> Any:
+    """The object behind an ASGI `send` (through middleware closures) whose `transport` is an
+    asyncio transport. None if not found."""
     todo, seen = [(send, 0)], set()
     while todo:
         fn, depth = todo.pop()
         if id(fn) in seen or depth > max_depth:
             continue
         seen.add(id(fn))
-        transport = getattr(getattr(fn, "__self__", None), "transport", None)
-        if isinstance(transport, asyncio.BaseTransport):
-            return transport
+        owner = getattr(fn, "__self__", None)
+        if isinstance(getattr(owner, attr, None), asyncio.BaseTransport):
+            return owner
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
