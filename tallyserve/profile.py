@@ -46,19 +46,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(engine, so: SchedulerOutput, repeats: int) -> float:
-    """Median seconds of build + forward + sample for one SchedulerOutput (after one warm-up),
-    through the engine's own executor: the same prepare and launch the engine core runs."""
+def time_step(engine, so: SchedulerOutput, repeats: int) -> tuple[float, float]:
+    """Median seconds of (build + forward + sample, and its host part: build and launch until the
+    launch returns) for one SchedulerOutput, after one warm-up, through the engine's own executor:
+    the same prepare and launch the engine core runs. With async scheduling the host part of one
+    step overlaps the device part of the one before."""
     executor, device = engine.executor, engine.device
-    times = []
+    totals, hosts = [], []
     for i in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        executor.launch(so, executor.prepare(so, None), None).result()
+        handle = executor.launch(so, executor.prepare(so, None), None)
+        t1 = time.perf_counter()
+        handle.result()
         _sync(device)
         if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            totals.append(time.perf_counter() - t0)
+            hosts.append(t1 - t0)
+    return statistics.median(totals), statistics.median(hosts)
 
 
 def _memory_bytes(device: torch.device) -> float:
@@ -81,16 +86,20 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
                          f"exceeds max_model_len {max_len}")
     cc = engine.config.cache_config
     bar = tqdm(total=len(batch_sizes) * len(extra_tokens) * len(context_lens), desc="profile", disable=not progress)
-    table = []
+    table, host_table = [], []
     for b in batch_sizes:
-        rows = []
+        rows, host_rows = [], []
         for e in extra_tokens:
-            cells = []
+            cells, host_cells = [], []
             for c in context_lens:
-                cells.append(time_step(engine, _step_output(b, e, c, cc.block_size, cc.num_blocks), repeats))
+                total, host = time_step(engine, _step_output(b, e, c, cc.block_size, cc.num_blocks), repeats)
+                cells.append(total)
+                host_cells.append(host)
                 bar.update(1)
             rows.append(cells)
+            host_rows.append(host_cells)
         table.append(rows)
+        host_table.append(host_rows)
     bar.close()
     dev = engine.device
     return {
@@ -104,6 +113,7 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
         "extra_tokens": list(extra_tokens),
         "context_len": list(context_lens),
         "step_time_s": table,
+        "host_time_s": host_table,
     }
 
 

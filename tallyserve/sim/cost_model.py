@@ -228,8 +228,13 @@ class ProfileCostModel:
 
     A profile holds axes `batch_size` (requests in the step), `extra_tokens` (new tokens beyond
     one per request, i.e. prefill tokens) and `context_len` (mean KV length per request), and
-    `step_time_s[b][e][c]` over their product.
+    `step_time_s[b][e][c]` over their product: one step measured on its own, host and device in
+    turn. With async scheduling (`async_scheduling = True`, which the simulator sets from its mode)
+    the host part of a step (`host_time_s`, when the profile has it) runs while the device
+    computes the step before, so a step in the stream costs max(host, total - host).
     """
+
+    async_scheduling = False
 
     def __init__(self, profile: dict, model_config: Optional[ModelConfig] = None) -> None:
         try:
@@ -244,6 +249,10 @@ class ProfileCostModel:
         if len(self.table) != shape[0] or any(len(r) != shape[1] or any(len(c) != shape[2] for c in r)
                                               for r in self.table):
             raise ValueError(f"profile step_time_s must have shape {shape}")
+        self.host_table = profile.get("host_time_s")
+        if self.host_table is not None and (len(self.host_table) != shape[0] or any(
+                len(r) != shape[1] or any(len(c) != shape[2] for c in r) for r in self.host_table)):
+            raise ValueError(f"profile host_time_s must have shape {shape}")
         self.mem_bytes = float(profile.get("memory_bytes") or HARDWARE["h200"].mem_bytes)
         self.name = f"profile:{profile.get('device', 'unknown')}"
         # KV moves are not in the grid: priced from the model's shape and the profile's bandwidths.
@@ -257,9 +266,17 @@ class ProfileCostModel:
                                         zip(self.axes, (b, s.num_tokens - s.num_requests, s.context_tokens / b)))
         nb, ne, nc = (min(1, len(a) - 1) for a in self.axes)  # 0 on a single-point axis
 
+        overlap = self.async_scheduling and self.host_table is not None
+
+        def cell(i: int, j: int, k: int) -> float:
+            total = self.table[i][j][k]
+            if not overlap:
+                return total
+            host = self.host_table[i][j][k]
+            return max(host, total - host)
+
         def along_c(i: int, j: int) -> float:
-            row = self.table[i][j]
-            return _lerp(row[ci], row[ci + nc], cf)
+            return _lerp(cell(i, j, ci), cell(i, j, ci + nc), cf)
 
         def along_e(i: int) -> float:
             return _lerp(along_c(i, ei), along_c(i, ei + ne), ef)

@@ -91,6 +91,8 @@ class Simulator:
         self._step_end: dict[int, float] = {}  # step id -> virtual time its forward pass ended
         mode = self.opts.async_scheduling
         self.async_scheduling = mode if mode is not None else config.args.async_scheduling is not False
+        if hasattr(cost_model, "async_scheduling"):  # a measured profile overlaps host and device work
+            cost_model.async_scheduling = self.async_scheduling
 
     # ----------------------------------------------------------------- requests
     def _submit(self, conv_idx: int) -> None:

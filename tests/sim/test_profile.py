@@ -19,6 +19,9 @@ def test_profile_then_simulate(tiny_dir, tmp_path):
     data = json.loads(prof.read_text())
     assert data["device"] == "cpu" and data["batch_size"] == [1, 3] and data["context_len"] == [0, 24]
     assert all(t > 0 for plane in data["step_time_s"] for row in plane for t in row)
+    pairs = [(t, h) for pt, ph in zip(data["step_time_s"], data["host_time_s"]) for rt, rh in zip(pt, ph)
+             for t, h in zip(rt, rh)]
+    assert len(pairs) == 8 and all(0 < h <= t for t, h in pairs)  # the host part of each measured step
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--model-config", tiny_dir, "--hardware", str(prof), "--workload", "random",
                "--num-requests", "12", "--random-input-len", "20", "--random-output-len", "5",
@@ -43,3 +46,38 @@ def test_noisy_profile_never_gets_cheaper_past_the_grid():
     assert cost.step_time(shape(64, 0)) == pytest.approx(0.009)  # flat, not negative, past the edge
     assert cost.step_time(shape(8, 640)) == pytest.approx(0.020 + 9 * 0.011)
     assert cost.step_time(shape(4, 32)) == pytest.approx((0.011 * 4 + 0.0145 * 3) / 7)
+
+
+def test_async_scheduling_overlaps_the_host_part():
+    """Sync: a step costs what it measured. Async: its host part hides behind the device part of
+    the step before, so it costs max(host, total - host); a profile without host times stays as is."""
+    profile = {"batch_size": [1, 8], "extra_tokens": [0], "context_len": [0],
+               "step_time_s": [[[0.010]], [[0.030]]], "host_time_s": [[[0.007]], [[0.004]]]}
+    shape = lambda b: StepShape(b, b, b, b, 0, 0)  # noqa: E731
+    cost = ProfileCostModel(profile)
+    assert cost.step_time(shape(1)) == pytest.approx(0.010)
+    cost.async_scheduling = True
+    assert cost.step_time(shape(1)) == pytest.approx(0.007)  # host-bound: 7 ms > 10 - 7
+    assert cost.step_time(shape(8)) == pytest.approx(0.026)  # device-bound: 30 - 4
+    assert cost.step_time(shape(4)) == pytest.approx(0.007 + (0.026 - 0.007) * 3 / 7)
+    del profile["host_time_s"]
+    old = ProfileCostModel(profile)
+    old.async_scheduling = True
+    assert old.step_time(shape(8)) == pytest.approx(0.030)
+    with pytest.raises(ValueError, match="host_time_s"):
+        ProfileCostModel({**profile, "host_time_s": [[[0.1]]]})
+
+
+def test_simulator_tells_the_profile_its_mode():
+    from tallyserve.config import EngineArgs
+    from tallyserve.sim.cli import engine_config_for, load_model_config
+    from tallyserve.sim.simulator import SimOptions, Simulator
+
+    profile = {"batch_size": [1], "extra_tokens": [0], "context_len": [0], "step_time_s": [[[0.01]]],
+               "host_time_s": [[[0.004]]]}
+    config = engine_config_for(EngineArgs(num_gpu_blocks_override=64, block_size=8), load_model_config("llama-3-8b"),
+                               141e9)
+    for mode in (True, False):
+        cost = ProfileCostModel(profile)
+        Simulator(config, cost, SimOptions(async_scheduling=mode))
+        assert cost.async_scheduling is mode
