@@ -1,5 +1,6 @@
 """Fused Triton kernels for the GPU forward pass: residual add + RMSNorm, in-place rotary
-embedding of q and k together, and SiLU-and-multiply. Each replaces a handful of small torch
+embedding of q and k together (with the per-head q/k RMSNorm of Qwen3 in the same kernel), and
+SiLU-and-multiply. Each replaces a handful of small torch
 kernels per layer (about 1,000 launches per decode step on an 8B model) and rounds to the model
 dtype where the torch reference in layers.py rounds, so the two paths agree within an ulp.
 """
@@ -60,6 +61,30 @@ if triton is not None:
         tl.store(base + HALF + offs, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, eps,
+                               NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # One (token, head) of q or k: RMSNorm over the head (q's or k's weight), rounded to the
+        # model dtype as the torch RMSNorm rounds, then the rotary embedding, in place.
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        base = x_ptr + t * stride_t + h * stride_h
+        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w_ptr = qw_ptr if h < NUM_Q_HEADS else kw_ptr
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        dt = x_ptr.dtype.element_ty
+        y1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0)
+        tl.store(base + offs, (y1 * c - y2 * s).to(dt), mask=mask)
+        tl.store(base + HALF + offs, (y2 * c + y1 * s).to(dt), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -90,6 +115,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     half = dim // 2
     _rotary_kernel[(tokens, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
                                     HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+
+
+def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Per-head RMSNorm (q_weight on the first `num_q_heads` heads, k_weight on the rest) then the
+    rotary embedding, in place, in one kernel: qk (T, Hq + Hkv, D) with a contiguous last dim, as q
+    and k sit side by side in the fused qkv projection; cos/sin (T, D) float32."""
+    tokens, heads, dim = qk.shape
+    if qk.stride(2) != 1 or cos.stride(1) != 1:
+        raise ValueError("qk_norm_rotary_ needs a contiguous last dimension")
+    half = dim // 2
+    _qk_norm_rotary_kernel[(tokens, heads)](qk, q_weight, k_weight, cos, sin, qk.stride(0), qk.stride(1),
+                                            cos.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=half,
+                                            BLOCK=triton.next_power_of_2(half), num_warps=1)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -178,15 +178,13 @@ class LlamaAttention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         cos, sin = rope
+        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
         if self.qk_norm:
-            q = self.q_norm(qkv[:, : hq * d].reshape(t, hq, d))
-            k = self.k_norm(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d))
-            fused_ops.rotary_(q, cos, sin)
-            fused_ops.rotary_(k, cos, sin)
-        else:  # q and k sit side by side in qkv: one in-place rotation for both
-            fused_ops.rotary_(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-            q = qkv[:, : hq * d].view(t, hq, d)
-            k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+            fused_ops.qk_norm_rotary_(qk, self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, cos, sin)
+        else:
+            fused_ops.rotary_(qk, cos, sin)
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, hq * d))

@@ -54,6 +54,16 @@ for dtype in (torch.float32, torch.bfloat16):
     fused_ops.rotary_(strided[:, 1:7], cos, sin)
     res[f"rotary_{tag}"] = [(strided[:, 1:7].float() - want.float()).abs().max().item(),
                             strided[:, [0, 7]].abs().max().item()]
+    qn, kn = RMSNorm(32, eps=1e-6).to(dtype), RMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(1 + 0.1 * torch.randn(32, generator=g))
+        kn.weight.copy_(1 - 0.1 * torch.randn(32, generator=g))
+    want = torch.cat([apply_rotary(qn(qk[:, :4]), cos, sin), apply_rotary(kn(qk[:, 4:]), cos, sin)], dim=1)
+    strided = torch.zeros(4, 8, 32, dtype=dtype)
+    strided[:, :6] = qk
+    fused_ops.qk_norm_rotary_(strided[:, :6], qn.weight, kn.weight, 4, 1e-6, cos, sin)
+    res[f"qk_norm_rotary_{tag}"] = [(strided[:, :6].float() - want.float()).abs().max().item(),
+                                    strided[:, 6:].abs().max().item()]
     gu = torch.randn(3, 2 * 70, generator=g).to(dtype)
     want = torch.nn.functional.silu(gu[:, :70]) * gu[:, 70:]
     res[f"silu_mul_{tag}"] = [(fused_ops.silu_mul(gu).float() - want.float()).abs().max().item(), 0.0]
@@ -88,15 +98,15 @@ def results():
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2}
 
 
-@pytest.mark.parametrize("kernel", ["add_rms", "rms", "rotary", "silu_mul"])
+@pytest.mark.parametrize("kernel", ["add_rms", "rms", "rotary", "qk_norm_rotary", "silu_mul"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_matches_torch_reference(results, kernel, dtype):
     err, side = results[f"{kernel}_{dtype}"]
-    scale = 4.0 if kernel in ("add_rms", "rms") else 1.0  # normalised values reach a few units
+    scale = 4.0 if kernel in ("add_rms", "rms", "qk_norm_rotary") else 1.0  # normalised values reach a few units
     assert err <= TOL[dtype] * scale, (kernel, dtype, err)
     if kernel == "add_rms":
         assert side <= TOL[dtype] * scale  # the residual stream was updated in place to x + residual
-    if kernel == "rotary":
+    if kernel in ("rotary", "qk_norm_rotary"):
         assert side == 0.0  # neighbours of the strided view were not touched
 
 
