@@ -1,0 +1,115 @@
+"""The tool-call formats (vLLM's parser names):
+
+- `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block
+  per call, after optional content.
+- `llama3_json` (Llama 3.x): the whole output is `{"name": ..., "parameters": {...}}`, optionally
+  after `<|python_tag|>`, several separated by `;`.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after optional content.
+
+Each accepts "arguments" or "parameters" for the arguments object. `JsonArrayToolParser` reads
+the `[{"name": ..., "parameters": {...}}, ...]` that a grammar forces for tool_choice "required"."""
+
+from __future__ import annotations
+
+from tallyserve.server.tool_parsers.base import Parse, ToolParser, held_marker_prefix
+from tallyserve.server.tool_parsers.json_scan import Malformed, scan_call, skip_ws
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        first = text.find(self.START)
+        if first < 0:
+            return Parse(len(text), hold=held_marker_prefix(text, (self.START,)))
+        p = Parse(first, started=True)
+        i = first
+        while True:
+            call = scan_call(text, skip_ws(text, i + len(self.START)), final)
+            p.calls.append(call)
+            if not call.complete:
+                return p
+            i = skip_ws(text, call.end)
+            if text.startswith(self.END, i):
+                i = skip_ws(text, i + len(self.END))
+            elif self.END.startswith(text[i:]):
+                return p  # the closing tag is coming (or, at the very end, was left out)
+            else:
+                raise Malformed(f"expected {self.END} at {i}")
+            if not text.startswith(self.START, i):
+                return p  # text after the calls is not content
+            # another call follows
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    skip_special_tokens = False  # <|python_tag|> is a special token
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        start = skip_ws(text, 0)
+        if start >= len(text):
+            return Parse(len(text))
+        i = start
+        if text.startswith(self.TAG, i):
+            i = skip_ws(text, i + len(self.TAG))
+        elif text[i] != "{":
+            if not final and self.TAG.startswith(text[i:]):
+                return Parse(len(text), hold=len(text) - i)
+            return Parse(len(text))  # plain content: calls only open the output
+        p = Parse(start, started=True)
+        while i < len(text):
+            call = scan_call(text, i, final)
+            p.calls.append(call)
+            if not call.complete:
+                return p
+            i = skip_ws(text, call.end)
+            if i >= len(text):
+                return p
+            if text[i] != ";":
+                raise Malformed(f"expected ';' between calls at {i}")
+            i = skip_ws(text, i + 1)
+        return p
+
+
+def parse_call_array(text: str, i: int, final: bool, p: Parse) -> Parse:
+    """The JSON array of call objects starting at `text[i]`, its calls appended to `p`."""
+    if i >= len(text):
+        return p
+    if text[i] != "[":
+        raise Malformed(f"expected '[' at {i}")
+    i = skip_ws(text, i + 1)
+    while i < len(text):
+        call = scan_call(text, i, final)
+        p.calls.append(call)
+        if not call.complete:
+            return p
+        i = skip_ws(text, call.end)
+        if i >= len(text) or text[i] == "]":
+            return p
+        if text[i] != ",":
+            raise Malformed(f"expected ',' or ']' at {i}")
+        i = skip_ws(text, i + 1)
+    return p
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    MARKER = "[TOOL_CALLS]"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        first = text.find(self.MARKER)
+        if first < 0:
+            return Parse(len(text), hold=held_marker_prefix(text, (self.MARKER,)))
+        return parse_call_array(text, skip_ws(text, first + len(self.MARKER)), final, Parse(first, started=True))
+
+
+class JsonArrayToolParser(ToolParser):
+    """The output is exactly a JSON array of calls (tool_choice "required", forced by a grammar)."""
+
+    name = "json_array"
+
+    def parse(self, text: str, final: bool) -> Parse:
+        return parse_call_array(text, skip_ws(text, 0), final, Parse(0, started=True))
