@@ -123,8 +123,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[Any]] = None  # function tools (checked by tool_specs.parse_tools)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None  # none / auto / required / a named function
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
     # vLLM's chat template controls
@@ -216,10 +217,31 @@ class ChatChoiceLogprobs(_Response):
     refusal: Optional[list[ChatLogprobEntry]] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
+    """`tool_calls` appears only when the model called tools."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Response):
@@ -239,11 +261,35 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: Optional[str] = None
 
 
+class _Sparse(_Response):
+    """Serialised without its unset (None) fields, as OpenAI's stream deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Sparse):
+    """A call's first delta carries index, id, type and the name (arguments ""); later ones only
+    index and a fragment of the arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     """A streamed delta: only the fields that are set appear (the final delta is `{}`)."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -38,6 +38,8 @@ class ServerContext:
     api_key: Optional[str] = None
     enable_fault_injection: bool = False
     trust_request_chat_template: bool = False  # render a chat_template sent in a request (vLLM's flag)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses outputs with tool_parser (vLLM's flags)
+    tool_parser: Optional[str] = None
     # One worker with its own tokenizer copy: no tokenizer object is ever used by two threads.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tallyserve-tokenize"))

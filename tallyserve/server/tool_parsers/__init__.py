@@ -6,7 +6,7 @@ from __future__ import annotations
 from tallyserve.server.tool_parsers.base import (ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta,
                                                  ToolParser, tool_call_id)
 from tallyserve.server.tool_parsers.formats import (HermesToolParser, JsonArrayToolParser, Llama3JsonToolParser,
-                                                    MistralToolParser)
+                                                    MistralToolParser, NamedFunctionParser)
 
 _REGISTRY: dict[str, type[ToolParser]] = {}
 
@@ -34,5 +34,5 @@ def get_tool_parser(name: str) -> type[ToolParser]:
         raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(tool_parser_names())}") from None
 
 
-__all__ = ["ExtractedToolCalls", "JsonArrayToolParser", "StreamDelta", "ToolCall", "ToolCallDelta", "ToolParser",
+__all__ = ["ExtractedToolCalls", "JsonArrayToolParser", "NamedFunctionParser", "StreamDelta", "ToolCall", "ToolCallDelta", "ToolParser",
            "get_tool_parser", "register_tool_parser", "tool_call_id", "tool_parser_names"]

@@ -12,7 +12,7 @@ the `[{"name": ..., "parameters": {...}}, ...]` that a grammar forces for tool_c
 from __future__ import annotations
 
 from tallyserve.server.tool_parsers.base import Parse, ToolParser, held_marker_prefix
-from tallyserve.server.tool_parsers.json_scan import Malformed, scan_call, skip_ws
+from tallyserve.server.tool_parsers.json_scan import CallSpan, Malformed, scan_call, scan_value, skip_ws
 
 
 class HermesToolParser(ToolParser):
@@ -113,3 +113,30 @@ class JsonArrayToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parse:
         return parse_call_array(text, skip_ws(text, 0), final, Parse(0, started=True))
+
+
+class NamedFunctionParser(ToolParser):
+    """The output is exactly the arguments object of one known function (a named tool_choice,
+    forced by a grammar): one call, announced before its first character arrives."""
+
+    name = "named_function"
+
+    def __init__(self, function_name: str) -> None:
+        super().__init__()
+        self.function_name = function_name
+
+    def parse(self, text: str, final: bool) -> Parse:
+        call = CallSpan(name=self.function_name)
+        p = Parse(0, [call], started=True)
+        i = skip_ws(text, 0)
+        if i >= len(text):
+            return p
+        if text[i] != "{":
+            raise Malformed("the arguments must be a JSON object")
+        call.args_start = i
+        end = scan_value(text, i, final)
+        if end is not None:
+            if skip_ws(text, end) < len(text):
+                raise Malformed("text after the arguments object")
+            call.args_end = call.end = end
+        return p
