@@ -26,7 +26,9 @@ from tallyserve.server.protocol import (ChatCompletionChunk, ChatCompletionReque
                                         ModelList, TokenizeRequest, TokenizeResponse)
 from tallyserve.server.serving import ClientDisconnected, ServerContext, check_model
 from tallyserve.server.serving_chat import create_chat_completion
+from tallyserve.server.protocol_responses import ResponsesRequest
 from tallyserve.server.serving_completion import create_completion
+from tallyserve.server.serving_responses import create_response
 from tallyserve.server.serving_tokenize import create_detokenize, create_tokenize
 from tallyserve.server.tool_parsers import get_tool_parser
 
@@ -361,6 +363,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
               responses={**_streamed(ChatCompletionChunk), **post_errors})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/v1/responses", responses={**_streamed(ResponsesRequest), **post_errors})
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await create_response(ctx, body, raw)
 
     tokenizer_errors = _errors(400, 401, 404, 413, 500)
 
