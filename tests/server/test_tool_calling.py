@@ -110,3 +110,110 @@ def test_bad_tool_requests_are_400s(tools_server, extra, param, match):
     err = _error(_post(tools_server, {"messages": USER, **extra}), param)
     if match:
         assert match in err["message"], err
+
+
+# ----------------------------------------------------------------------------- grammar-enforced calls
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _check_weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert args["city"] in ("Paris", "Berlin") and args["days"] in (1, 2, 3) and set(args) == {"city", "days"}
+    return args
+
+
+def test_named_tool_choice_gives_that_call(tools_client):
+    out = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                               max_tokens=100, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    _check_weather_args(call.function.arguments)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_gives_calls_of_known_tools(tools_client, parallel):
+    out = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                               parallel_tool_calls=parallel, max_tokens=200, temperature=0, seed=1)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    if not parallel:
+        assert len(choice.message.tool_calls) == 1
+    ids = [c.id for c in choice.message.tool_calls]
+    assert len(set(ids)) == len(ids)
+    for call in choice.message.tool_calls:
+        if call.function.name == "get_weather":
+            _check_weather_args(call.function.arguments)
+        else:
+            assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("CET", "UTC")
+
+
+def test_streamed_tool_calls_are_reassembled_by_the_client(tools_client):
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice=NAMED, max_tokens=100, temperature=0)
+    whole = tools_client.chat.completions.create(**kwargs).choices[0]
+    with tools_client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    chunks = list(tools_client.chat.completions.create(stream=True, **{**kwargs, "tool_choice": "required"}))
+    deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    args: dict[int, str] = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.type == "function" and d.function.name and d.function.arguments == "" and d.index not in args
+            args[d.index] = ""
+        else:
+            assert d.function.name is None and d.type is None
+            args[d.index] += d.function.arguments
+    assert args and all(json.loads(a) is not None for a in args.values())
+
+
+def test_raw_stream_deltas_have_openais_shape(tools_server):
+    with httpx.stream("POST", tools_server.base_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": NAMED,
+                            "max_tokens": 100, "temperature": 0, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    tool_deltas = [e["choices"][0]["delta"]["tool_calls"][0] for e in events
+                   if e["choices"] and "tool_calls" in e["choices"][0]["delta"]]
+    first, rest = tool_deltas[0], tool_deltas[1:]
+    assert first == {"index": 0, "id": first["id"], "type": "function",
+                     "function": {"name": "get_weather", "arguments": ""}}
+    assert rest and all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    _check_weather_args("".join(d["function"]["arguments"] for d in rest))
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_round_trip_end_to_end(tools_client):
+    """The model calls a tool, the tool's result goes back, the model answers in plain content."""
+    first = tools_client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], tool_choice=NAMED,
+                                                 max_tokens=100, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    history = USER + [first.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    final = tools_client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                                 max_tokens=5, temperature=0, extra_body={"chat_template": TOOL_TEMPLATE})
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content is not None
+    assert final.usage.prompt_tokens > 40  # the call and its result are in the prompt
+
+
+HERMES_REGEX = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Berlin)", "days": [123]\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_a_hermes_call(tools_client, stream):
+    """tool_choice "auto": the output (held to a Hermes call by a regex) is parsed into a call."""
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER], tool_choice="auto", max_tokens=100, temperature=0,
+                  extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
+    if stream:
+        with tools_client.chat.completions.stream(**kwargs) as s:
+            choice = s.get_final_completion().choices[0]
+    else:
+        choice = tools_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_weather_args(call.function.arguments)
