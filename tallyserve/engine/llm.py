@@ -27,6 +27,7 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.engine.final_outputs_only = True  # generate() returns finished outputs only
+        self.engine.structured.compile_at_add = True  # a constraint that does not compile: ValueError
         self._ids = itertools.count()
 
     def get_tokenizer(self):
