@@ -29,7 +29,7 @@ from tallyserve.server.serving import (INLINE_TOKENIZE_CHARS, ServerContext, che
 from tallyserve.server.sse import SSE_DONE, ChoiceProgress, SSEResponse, chunk_sse, sse, stream_error_event
 from tallyserve.server.serving_beam import BeamSpec, beam_spec, check_beam_fits, collect_beams
 from tallyserve.server.serving_completion import truncation
-from tallyserve.server.serving_tools import ChoiceTools, ToolPlan, plan_tools, with_tool_constraints
+from tallyserve.server.serving_tools import ChoiceTools, ToolPlan, chunk_groups, plan_tools, with_tool_constraints
 from tallyserve.tokenizer import ChatTemplateError, normalise_messages
 
 MESSAGE_QUOTE_CHARS = QUOTE_LIMIT + 200  # a chat template error: its own words plus what it quotes
@@ -171,12 +171,15 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                 if p.finished:
                     continue
                 delta, ids, lps = p.advance(o)
-                calls, t = None, tools[o.index]
+                groups, t = [None], tools[o.index]
                 if t.active:
                     delta, calls = t.delta(delta, p.finished)
-                if delta or calls or (req.logprobs and lps):
+                    groups = chunk_groups(calls) or [None]
+                if delta or groups[0] or (req.logprobs and lps):
                     lp = chat_logprobs(ctx.engine.tokenizer, ids, lps, req.top_logprobs or 0) if req.logprobs and lps is not None else None
-                    yield chunk(o.index, DeltaMessage(content=delta or None if calls else delta, tool_calls=calls or None), lp)
+                    yield chunk(o.index, DeltaMessage(content=delta or None if groups[0] else delta, tool_calls=groups[0]), lp)
+                for group in groups[1:]:
+                    yield chunk(o.index, DeltaMessage(tool_calls=group))
                 if p.finished:
                     yield chunk(o.index, DeltaMessage(), finish_reason=t.finish_reason(o.finish_reason))
         if include_usage and last is not None:

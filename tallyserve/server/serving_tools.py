@@ -5,8 +5,8 @@
   `--tool-call-parser`, and only on a server started with `--enable-auto-tool-choice`
   (otherwise a 400 naming tool_choice, as vLLM's).
 - tool_choice "required" or a named function is enforced by a grammar: the request's sampling
-  params get a JSON schema (`structured_outputs`), and the JSON the model is held to is read
-  directly as the calls.
+  params get a JSON schema (`structured_outputs`, without optional whitespace), and the JSON the
+  model is held to is read directly as the calls.
 - "none": the tools may be rendered, the output is plain content.
 
 Found calls come back as `message.tool_calls` (or streamed tool-call deltas), the text before
@@ -80,7 +80,8 @@ def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan], skip
         if params.structured_outputs is not None:
             raise bad_request("tool_choice 'required' or a named function is itself a structured output; it cannot "
                               "be combined with another (response_format, structured_outputs)", "tool_choice")
-        changes["structured_outputs"] = StructuredOutputsParams(json=plan.schema)
+        # compact JSON: calls are read by programs, and free whitespace lets a weak model pad forever
+        changes["structured_outputs"] = StructuredOutputsParams(json=plan.schema, disable_any_whitespace=True)
     if plan.parser_cls is not None and not plan.parser_cls.skip_special_tokens and not skip_set:
         changes["skip_special_tokens"] = False
     return replace(params, **changes) if changes else params
@@ -126,3 +127,19 @@ class ChoiceTools:
 
     def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
         return tool_finish_reason(finish_reason, self.parser is not None and self.parser.tools_called)
+
+
+def chunk_groups(calls: list[DeltaToolCall]) -> list[list[DeltaToolCall]]:
+    """Tool-call deltas as OpenAI streams them: at most one entry per call in a chunk (argument
+    fragments of a call merged), and a call's first delta (id, name, arguments "") alone for that
+    call, its first arguments in the next chunk."""
+    groups: list[list[DeltaToolCall]] = [[]]
+    for d in calls:
+        same = next((x for x in groups[-1] if x.index == d.index), None)
+        if same is None:
+            groups[-1].append(d)
+        elif same.id is None and d.id is None:
+            same.function.arguments += d.function.arguments
+        else:
+            groups.append([d])
+    return [g for g in groups if g]

@@ -132,3 +132,20 @@ def test_offline_chat_renders_tools_and_tool_history(tmp_path):
     assert len(out.outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="not unique"):
         llm.chat(HISTORY, params, tools=[WEATHER, WEATHER])
+
+
+def test_chunk_groups_keep_one_entry_per_call_and_headers_apart():
+    from tallyserve.server.protocol import DeltaFunctionCall, DeltaToolCall
+    from tallyserve.server.serving_tools import chunk_groups
+
+    def header(i):
+        return DeltaToolCall(index=i, id=f"call_{i}", type="function", function=DeltaFunctionCall(name="f", arguments=""))
+
+    def args(i, text):
+        return DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=text))
+
+    groups = chunk_groups([args(0, '{"a"'), args(0, ": 1}"), header(1), args(1, "{"), args(1, "}")])
+    assert [[d.model_dump() for d in g] for g in groups] == [
+        [{"index": 0, "function": {"arguments": '{"a": 1}'}}, header(1).model_dump()],
+        [{"index": 1, "function": {"arguments": "{}"}}]]
+    assert chunk_groups([]) == []
