@@ -123,3 +123,40 @@ def test_store_false_and_omitted_are_accepted(api_server):
         r = httpx.post(api_server.base_url + "/v1/responses", headers=AUTH, timeout=60,
                        json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})
         assert r.status_code == 200 and r.json()["store"] is False, r.text
+
+
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def test_function_call_output_and_round_trip(client):
+    """A forced call comes back as a function_call item; fed back with its output, the model answers."""
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice=NAMED,
+                                max_output_tokens=60, temperature=0)
+    assert r.status == "completed"
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert call.id.startswith("fc_") and json.loads(call.arguments)["city"] in ("Paris", "Berlin")
+    follow = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    final = client.responses.create(model=MODEL, input=follow, tools=[WEATHER], tool_choice="none",
+                                    max_output_tokens=4, temperature=0)
+    assert final.output[0].type == "message" and final.usage.input_tokens > r.usage.input_tokens
+
+
+def test_required_tool_choice_and_streamed_function_call_events(client):
+    kwargs = dict(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                  max_output_tokens=80, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    added, done = events[2].item, events[-2].item
+    assert added.type == "function_call" and added.arguments == "" and added.status == "in_progress"
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == done.arguments == events[-3].arguments == whole.output[0].arguments
+    assert done.call_id == added.call_id and done.status == "completed"
+    with client.responses.stream(**kwargs) as s:
+        final = s.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", streamed)]
