@@ -160,3 +160,10 @@ def test_required_tool_choice_and_streamed_function_call_events(client):
     with client.responses.stream(**kwargs) as s:
         final = s.get_final_response()
     assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", streamed)]
+
+
+def test_text_format_json_schema_holds_the_output(client):
+    fmt = {"type": "json_schema", "name": "answer", "schema": {"type": "string", "enum": ["yes", "no"]}}
+    r = client.responses.create(model=MODEL, input="Yes or no?", text={"format": fmt}, max_output_tokens=20,
+                                temperature=0)
+    assert r.status == "completed" and json.loads(r.output_text) in ("yes", "no")
