@@ -6,12 +6,15 @@ is checked by `json.loads` afterwards."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 WHITESPACE = " \t\n\r"
 _SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsn")
 _CLOSE = {"{": "}", "[": "]"}
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*+"', re.S)  # a string's body and closing quote
+_STRUCTURAL = re.compile(r'["{}\[\]]')
 
 
 class Malformed(ValueError):
@@ -26,16 +29,8 @@ def skip_ws(text: str, pos: int) -> int:
 
 def scan_string(text: str, pos: int) -> Optional[int]:
     """`text[pos]` is a double quote: the index after the closing quote, or None if the text ends first."""
-    i = pos + 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1
-        i += 1
-    return None
+    m = _STRING_REST.match(text, pos + 1)
+    return m.end() if m else None
 
 
 def scan_value(text: str, pos: int, final: bool) -> Optional[int]:
@@ -49,7 +44,11 @@ def scan_value(text: str, pos: int, final: bool) -> Optional[int]:
     if c in _CLOSE:
         stack = [_CLOSE[c]]
         i = pos + 1
-        while i < len(text):
+        while True:
+            m = _STRUCTURAL.search(text, i)  # the scan runs on every streamed delta: jump in C
+            if m is None:
+                return None
+            i = m.start()
             c = text[i]
             if c == '"':
                 end = scan_string(text, i)
@@ -65,7 +64,6 @@ def scan_value(text: str, pos: int, final: bool) -> Optional[int]:
                 if not stack:
                     return i + 1
             i += 1
-        return None
     if c in _SCALAR_CHARS:
         i = pos
         while i < len(text) and text[i] in _SCALAR_CHARS:
