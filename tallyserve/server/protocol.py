@@ -101,6 +101,14 @@ class SamplingFields(_Request):
     bad_words: Optional[list[str]] = None
     # keep only the last N prompt tokens (left truncation); -1: max_model_len
     truncate_prompt_tokens: Optional[int] = None
+    # structured outputs (vLLM's names; server/structured.py maps them to StructuredOutputsParams)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +123,7 @@ class CompletionRequest(SamplingFields):
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     add_special_tokens: Optional[bool] = True  # for text prompts (e.g. a BOS)
+    response_format: Optional[dict[str, Any]] = None  # text, json_object or json_schema
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -30,6 +30,7 @@ from tallyserve.server.protocol_responses import (ResponsesRequest, chat_tool_ch
 from tallyserve.server.serving import (ServerContext, check_admission, check_model, check_prompt_ids, collect, merged,
                                        prime, text_size, tokenize, tracked)
 from tallyserve.server.serving_chat import template_error
+from tallyserve.server.structured import CONSTRAINT_FIELD
 from tallyserve.server.serving_tools import ChoiceTools, ToolPlan, plan_tools, with_tool_constraints
 from tallyserve.server.sse import ChoiceProgress, SSEResponse
 from tallyserve.server import errors
@@ -50,6 +51,7 @@ def _params(req: ResponsesRequest, plan: Optional[ToolPlan]) -> SamplingParams:
                               "text.format")
         so = StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
         params = replace(params, structured_outputs=so)
+        CONSTRAINT_FIELD.set("text.format")  # a schema that does not compile is a 400 naming it
     return with_tool_constraints(params, plan, False)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from tallyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tallyserve.server.errors import bad_request
+from tallyserve.server.structured import CONSTRAINT_FIELD
 from tallyserve.server.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from tallyserve.server.tool_parsers import (JsonArrayToolParser, NamedFunctionParser, ToolParser, get_tool_parser)
 from tallyserve.tool_specs import (Tool, ToolChoice, ToolSpecError, parse_tool_choice, parse_tools,
@@ -82,6 +83,7 @@ def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan], skip
                               "be combined with another (response_format, structured_outputs)", "tool_choice")
         # compact JSON: calls are read by programs, and free whitespace lets a weak model pad forever
         changes["structured_outputs"] = StructuredOutputsParams(json=plan.schema, disable_any_whitespace=True)
+        CONSTRAINT_FIELD.set("tools")  # a schema that does not compile is a 400 naming tools
     if plan.parser_cls is not None and not plan.parser_cls.skip_special_tokens and not skip_set:
         changes["skip_special_tokens"] = False
     return replace(params, **changes) if changes else params

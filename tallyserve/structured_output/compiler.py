@@ -64,6 +64,25 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _compile_structural_tag(compiler: Any, spec: str) -> Any:
+    """A structural tag: xgrammar's format ({"type": "structural_tag", "format": ...}) or the
+    earlier one with "structures" (begin, schema, end) and "triggers"."""
+    import xgrammar as xgr
+
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                 for s in tag["structures"]]
+        return compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
+    return compiler.compile_structural_tag(spec)
+
+
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 @dataclass
 class CompileStats:
     """Counters the server exports (tallyserve_structured_output_*)."""
@@ -72,10 +91,19 @@ class CompileStats:
     compiles: int = 0
     cache_hits: int = 0
     failures: int = 0
-    compile_seconds: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    compile_seconds_sum: float = 0.0
+    compile_bucket_counts: list[int] = field(default_factory=lambda: [0] * len(COMPILE_BUCKETS))
 
     def count_request(self, kind: str) -> None:
         self.requests[kind] = self.requests.get(kind, 0) + 1
+
+    def observe_compile(self, seconds: float) -> None:
+        self.compiles += 1
+        self.compile_seconds_sum += seconds
+        for i, bound in enumerate(COMPILE_BUCKETS):
+            if seconds <= bound:
+                self.compile_bucket_counts[i] += 1
+                break
 
 
 class GrammarCompileCache:
@@ -91,12 +119,13 @@ class GrammarCompileCache:
         self._max_entries = max_entries
         self.stats = CompileStats()
 
-    def submit(self, key: GrammarKey) -> Future:
-        """The future of ``key``'s compiled grammar (shared with every earlier request for it)."""
+    def submit(self, key: GrammarKey, count_hit: bool = True) -> Future:
+        """The future of ``key``'s compiled grammar (shared with every earlier request for it).
+        ``count_hit``: False for a validation compile, so the request's own add counts once."""
         with self._lock:
             fut = self._futures.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
-                self.stats.cache_hits += 1
+                self.stats.cache_hits += count_hit
                 return fut
             if len(self._futures) >= self._max_entries:  # drop the oldest finished entry
                 old = next((k for k, f in self._futures.items() if f.done()), None)
@@ -107,7 +136,7 @@ class GrammarCompileCache:
 
     def compile(self, key: GrammarKey, timeout: Optional[float] = None) -> Any:
         """Compile (or fetch) synchronously; ValueError if the constraint is invalid."""
-        return self.submit(key).result(timeout)
+        return self.submit(key, count_hit=False).result(timeout)
 
     def _compile(self, key: GrammarKey) -> Any:
         kind, spec, compact = key
@@ -125,7 +154,7 @@ class GrammarCompileCache:
             elif kind == "grammar":
                 grammar = c.compile_grammar(spec)
             elif kind == "structural_tag":
-                grammar = c.compile_structural_tag(spec)
+                grammar = _compile_structural_tag(c, spec)
             else:  # pragma: no cover - GrammarKey.of only makes the kinds above
                 raise ValueError(f"unknown structured output kind {kind!r}")
         except ValueError as exc:
@@ -134,8 +163,7 @@ class GrammarCompileCache:
         except Exception as exc:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError
             self.stats.failures += 1
             raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(exc)}") from None
-        self.stats.compiles += 1
-        self.stats.compile_seconds.append(time.perf_counter() - t0)
+        self.stats.observe_compile(time.perf_counter() - t0)
         return grammar
 
     def shutdown(self) -> None:

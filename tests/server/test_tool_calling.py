@@ -220,3 +220,10 @@ def test_auto_tool_choice_parses_a_hermes_call(tools_client, stream):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     _check_weather_args(call.function.arguments)
+
+
+def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_naming_tools(tools_server):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "required": ["a"]}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        _error(_post(tools_server, {"messages": USER, "tools": [bad], "tool_choice": choice}), "tools")
