@@ -201,7 +201,7 @@ def normalise_messages(messages: Any) -> list[dict]:
         role = message["role"]
         if role not in ALLOWED_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ALLOWED_ROLES)}; got {role!r}")
-        calls = message.get("tool_calls") if role == "assistant" else None
+        calls = (message.get("tool_calls") or None) if role == "assistant" else None  # [] is no calls
         if "content" not in message and calls is None:
             raise ValueError(f"messages[{i}] lacks 'content'")
         content = message.get("content")

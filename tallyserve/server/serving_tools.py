@@ -32,6 +32,7 @@ class ToolPlan:
     choice: ToolChoice
     parser_cls: Optional[type[ToolParser]] = None  # "auto"
     schema: Optional[dict] = None  # "required" / "named": the grammar
+    parallel: bool = True  # false: only the first call the model makes counts ("auto"; the grammar holds the rest)
 
     @property
     def template_tools(self) -> Optional[list[dict]]:
@@ -68,7 +69,7 @@ def plan_tools(ctx: Any, tools: Any, tool_choice: Any, parallel_tool_calls: Opti
         parser_cls = get_tool_parser(ctx.tool_parser)
     if beam_search and choice.mode != "none":
         raise bad_request("tool calls are not supported with use_beam_search", "tool_choice", "unsupported_parameter")
-    return ToolPlan(parsed, choice, parser_cls, schema)
+    return ToolPlan(parsed, choice, parser_cls, schema, parallel_tool_calls is not False)
 
 
 def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan], skip_set: bool) -> SamplingParams:
@@ -98,6 +99,7 @@ class ChoiceTools:
 
     def __init__(self, plan: Optional[ToolPlan]) -> None:
         self.parser = plan.choice_parser() if plan is not None else None
+        self.max_calls = None if plan is None or plan.parallel else 1
         self.text = ""
 
     @property
@@ -111,7 +113,8 @@ class ChoiceTools:
         out = self.parser.extract_tool_calls(text)
         if not out.tools_called:
             return text, None, finish_reason
-        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in out.tool_calls]
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in out.tool_calls[:self.max_calls]]
         return out.content, calls, tool_finish_reason(finish_reason, True)
 
     def delta(self, delta_text: str, finished: bool):
@@ -120,6 +123,8 @@ class ChoiceTools:
         d = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text, finished)
         calls = []
         for c in d.tool_calls:
+            if self.max_calls is not None and c.index >= self.max_calls:
+                continue
             if c.id is not None:
                 calls.append(DeltaToolCall(index=c.index, id=c.id, type="function",
                                            function=DeltaFunctionCall(name=c.name, arguments="")))

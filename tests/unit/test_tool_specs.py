@@ -149,3 +149,21 @@ def test_chunk_groups_keep_one_entry_per_call_and_headers_apart():
         [{"index": 0, "function": {"arguments": '{"a": 1}'}}, header(1).model_dump()],
         [{"index": 1, "function": {"arguments": "{}"}}]]
     assert chunk_groups([]) == []
+
+
+def test_auto_without_parallel_calls_keeps_the_first_call():
+    plan = plan_tools(CTX, TOOLS, "auto", False)
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    _, calls, finish = ChoiceTools(plan).whole(text, "stop")
+    assert [c.function.name for c in calls] == ["a"] and finish == "tool_calls"
+    assert _stream(ChoiceTools(plan), text, 2) == ("", [("a", '{"x": 1}')])
+    _, calls, _ = ChoiceTools(plan_tools(CTX, TOOLS, "auto", True)).whole(text, "stop")
+    assert [c.function.name for c in calls] == ["a", "b"]
+
+
+def test_empty_tool_calls_in_history_are_no_calls():
+    from tallyserve.tokenizer import normalise_messages
+
+    out = normalise_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": []}])
+    assert out[1]["content"] == "y" and out[1]["tool_calls"] == []
