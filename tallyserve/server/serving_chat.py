@@ -50,7 +50,7 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest
     if req.use_beam_search:
         return beam_spec(req, req.effective_max_tokens, alias, logprobs=bool(req.logprobs)), plan
     params = sampling_params(req, req.effective_max_tokens, top if req.logprobs else None, alias, ctx=ctx)
-    return with_tool_constraints(params, plan, "skip_special_tokens" in req.model_fields_set), plan
+    return with_tool_constraints(params, plan), plan
 
 
 def chat_controls(req: Any, ctx: ServerContext) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def _params(req: ResponsesRequest, plan: Optional[ToolPlan]) -> SamplingParams:
         so = StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True)
         params = replace(params, structured_outputs=so)
         CONSTRAINT_FIELD.set("text.format")  # a schema that does not compile is a 400 naming it
-    return with_tool_constraints(params, plan, False)
+    return with_tool_constraints(params, plan)
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request):

@@ -72,9 +72,10 @@ def plan_tools(ctx: Any, tools: Any, tool_choice: Any, parallel_tool_calls: Opti
     return ToolPlan(parsed, choice, parser_cls, schema, parallel_tool_calls is not False)
 
 
-def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan], skip_set: bool) -> SamplingParams:
-    """The sampling params with the tool grammar (required / named) and, for parsers whose markers
-    are special tokens, special tokens kept in the text (unless skip_special_tokens was sent)."""
+def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan]) -> SamplingParams:
+    """The sampling params with the tool grammar (required / named). Special tokens stay skipped
+    (the text would end in the end-of-turn token otherwise): the parsers also read formats whose
+    marker is a special token without it."""
     if plan is None:
         return params
     changes: dict[str, Any] = {}
@@ -85,8 +86,6 @@ def with_tool_constraints(params: SamplingParams, plan: Optional[ToolPlan], skip
         # compact JSON: calls are read by programs, and free whitespace lets a weak model pad forever
         changes["structured_outputs"] = StructuredOutputsParams(json=plan.schema, disable_any_whitespace=True)
         CONSTRAINT_FIELD.set("tools")  # a schema that does not compile is a 400 naming tools
-    if plan.parser_cls is not None and not plan.parser_cls.skip_special_tokens and not skip_set:
-        changes["skip_special_tokens"] = False
     return replace(params, **changes) if changes else params
 
 

@@ -88,6 +88,8 @@ def test_streamed_arguments_arrive_in_pieces():
     ("hermes", '<tool_call>{"name": "f"} garbage'),
     ("llama3_json", '{"answer": 42}'),
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}} and then prose'),
+    ("mistral", '[{"a": 1}]'),  # a bare array, but no call in it
+    ("mistral", "[1, 2, 3] are numbers"),
     ("llama3_json", "<|python_tag|>"),
     ("llama3_json", "The answer is {x}."),
     ("mistral", "[TOOL_CALLS]"),
@@ -155,3 +157,16 @@ def test_fuzzed_output_never_raises(name, data):
     if out.tools_called:  # well formed: the stream agrees
         assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in out.tool_calls]
         assert content == (out.content or "")
+
+
+@pytest.mark.parametrize("name,text,content", [
+    ("mistral", ' [{"name": "f", "arguments": {"a": 1}}]', None),  # [TOOL_CALLS] skipped as a special token
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}<|eom_id|>', None),  # end-of-turn kept in the text
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]</s>', "Sure"),
+])
+def test_formats_with_special_tokens_skipped_or_kept(name, text, content):
+    out = get_tool_parser(name)().extract_tool_calls(text)
+    assert out.tools_called and out.content == content
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": 1}')]
+    _, calls = stream(get_tool_parser(name), list(text))
+    assert [(n, a) for _, n, a in calls] == [("f", '{"a": 1}')]

@@ -55,7 +55,7 @@ def test_choice_defaults_and_errors():
 
 def test_plan_sets_the_grammar_and_refuses_auto_without_the_flag():
     plan = plan_tools(CTX, TOOLS, "required", False)
-    params = with_tool_constraints(SamplingParams(max_tokens=5), plan, False)
+    params = with_tool_constraints(SamplingParams(max_tokens=5), plan)
     assert params.structured_outputs.json == plan.schema and plan.schema["maxItems"] == 1
     assert plan.template_tools[1] == {"type": "function", "function": {
         "name": "b", "description": "no parameters", "parameters": {"type": "object", "properties": {}}}}

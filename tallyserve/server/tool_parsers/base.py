@@ -80,11 +80,9 @@ def held_marker_prefix(text: str, markers: tuple[str, ...]) -> int:
 
 
 class ToolParser:
-    """Subclasses set `name` and implement `parse`. `skip_special_tokens` False: the format's
-    markers are special tokens, so the detokenizer must keep them."""
+    """Subclasses set `name` and implement `parse`."""
 
     name: ClassVar[str] = ""
-    skip_special_tokens: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._content_sent = 0

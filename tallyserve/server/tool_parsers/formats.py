@@ -3,8 +3,10 @@
 - `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block
   per call, after optional content.
 - `llama3_json` (Llama 3.x): the whole output is `{"name": ..., "parameters": {...}}`, optionally
-  after `<|python_tag|>`, several separated by `;`.
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after optional content.
+  after `<|python_tag|>`, several separated by `;`; a special token after the calls (an
+  end-of-turn kept by skip_special_tokens false) is ignored.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after optional content, or the
+  bare array opening the output (`[TOOL_CALLS]` is a special token, skipped by default).
 
 Each accepts "arguments" or "parameters" for the arguments object. `JsonArrayToolParser` reads
 the `[{"name": ..., "parameters": {...}}, ...]` that a grammar forces for tool_choice "required"."""
@@ -44,7 +46,6 @@ class HermesToolParser(ToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    skip_special_tokens = False  # <|python_tag|> is a special token
     TAG = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> Parse:
@@ -65,8 +66,8 @@ class Llama3JsonToolParser(ToolParser):
             if not call.complete:
                 return p
             i = skip_ws(text, call.end)
-            if i >= len(text):
-                return p
+            if i >= len(text) or text[i] == "<":
+                return p  # the end, or a special token such as <|eom_id|>
             if text[i] != ";":
                 raise Malformed(f"expected ';' between calls at {i}")
             i = skip_ws(text, i + 1)
@@ -96,12 +97,18 @@ def parse_call_array(text: str, i: int, final: bool, p: Parse) -> Parse:
 
 class MistralToolParser(ToolParser):
     name = "mistral"
-    skip_special_tokens = False  # [TOOL_CALLS] is a special token
     MARKER = "[TOOL_CALLS]"
+    BARE = '[{"'  # the array opening the output, its special-token marker skipped
 
     def parse(self, text: str, final: bool) -> Parse:
         first = text.find(self.MARKER)
         if first < 0:
+            start = skip_ws(text, 0)
+            head = text[start:start + len(self.BARE)]
+            if head == self.BARE:
+                return parse_call_array(text, start, final, Parse(start, started=True))
+            if head and self.BARE.startswith(head) and not final:
+                return Parse(len(text), hold=len(text) - start)  # may open a bare array
             return Parse(len(text), hold=held_marker_prefix(text, (self.MARKER,)))
         return parse_call_array(text, skip_ws(text, first + len(self.MARKER)), final, Parse(first, started=True))
 
