@@ -6,7 +6,7 @@ The rule the server applies (serving.check_unsupported):
 - honoured: parsed by the request model (protocol.py) and applied; invalid values are 400s of
   their own (ranges, types, the few documented combinations such as echo with logprobs).
 - unsupported: accepted only when absent, null, or set to one of its `harmless` values (the
-  default or a value that asks for exactly what tallyserve does anyway, e.g. `tool_choice:
+  default or a value that asks for exactly what tallyserve does anyway, e.g. `function_call:
   "none"`, `store: false`, `priority: 0`, `spaces_between_special_tokens: true`, an identifier
   such as `prompt_cache_key`); any other value is a 400 with code "unsupported_parameter" whose
   param is the field, so a client never believes a constraint (a JSON schema, a regex, a

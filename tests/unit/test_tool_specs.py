@@ -167,3 +167,17 @@ def test_empty_tool_calls_in_history_are_no_calls():
 
     out = normalise_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": []}])
     assert out[1]["content"] == "y" and out[1]["tool_calls"] == []
+
+
+def test_serve_flags_for_tool_parsing():
+    from tallyserve.cli import build_parser
+    from tallyserve.server.cli import _validate
+
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert ns.enable_auto_tool_choice and ns.tool_call_parser == "llama3_json"
+    _validate(ns)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        _validate(parser.parse_args(["serve", "--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):  # argparse names the known parsers
+        parser.parse_args(["serve", "--tool-call-parser", "nope"])
