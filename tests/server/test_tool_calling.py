@@ -227,3 +227,14 @@ def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_naming_tools(tools_se
         "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "required": ["a"]}}}
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         _error(_post(tools_server, {"messages": USER, "tools": [bad], "tool_choice": choice}), "tools")
+
+
+def test_each_choice_gets_its_own_calls(tools_server):
+    r = _post(tools_server, {"messages": USER, "tools": [WEATHER], "tool_choice": NAMED, "n": 2, "max_tokens": 100,
+                             "temperature": 1.0, "seed": 3, "stream": False})
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all(c["finish_reason"] == "tool_calls" for c in choices)
+    ids = [c["message"]["tool_calls"][0]["id"] for c in choices]
+    assert len(set(ids)) == 2
+    for c in choices:
+        _check_weather_args(c["message"]["tool_calls"][0]["function"]["arguments"])
