@@ -2,7 +2,7 @@
 
 from tallyserve.config import EngineArgs
 from tallyserve.outputs import CompletionOutput, RequestOutput
-from tallyserve.sampling_params import SamplingParams
+from tallyserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,4 +20,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tallyserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]

@@ -9,6 +9,7 @@ deltas of `IncrementalDetokenizer` equal `Tokenizer.decode(output_ids)` exactly.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 from typing import Any, Optional, Sequence
@@ -91,14 +92,15 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template: Optional[str] = None,
-                    chat_template_kwargs: Optional[dict] = None) -> str:
+                    chat_template_kwargs: Optional[dict] = None, tools: Optional[list[dict]] = None) -> str:
         """The prompt text the chat template makes of `messages` (validated first).
 
         vLLM's chat controls: `continue_final_message` renders the last message left open (no
         end-of-turn) so the model continues it; it excludes `add_generation_prompt`.
         `chat_template` replaces the tokenizer's template; `chat_template_kwargs` are extra template
         variables (e.g. enable_thinking), whose `add_generation_prompt` / `continue_final_message`
-        override the arguments, as vLLM's do. Templates render in transformers' sandboxed
+        override the arguments, as vLLM's do. `tools`: function definitions (OpenAI's shape) for
+        templates that render them. Templates render in transformers' sandboxed
         (ImmutableSandboxedEnvironment) Jinja. Raises ChatTemplateError for the controls and the
         template, ValueError for invalid messages."""
         template = chat_template if chat_template is not None else self.chat_template
@@ -130,7 +132,8 @@ class Tokenizer:
         try:
             text = self.hf.apply_chat_template(
                 normalised, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=bool(continue_final_message), chat_template=chat_template, **kwargs,
+                continue_final_message=bool(continue_final_message), chat_template=chat_template, tools=tools,
+                **kwargs,
             )
         except Exception as e:  # jinja2 TemplateError / SecurityError, raise_exception(...) in the template
             where = "chat_template" if chat_template is not None else "messages"
@@ -146,12 +149,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, chat_template: Optional[str] = None,
                             chat_template_kwargs: Optional[dict] = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of the chat prompt (render_chat's text). The template itself places BOS and
         other special tokens, so by default (vLLM's too) the text is encoded without adding
         special tokens again; `add_special_tokens=True` adds them (e.g. a BOS) as well."""
         text = self.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
-                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                tools=tools)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -186,6 +190,7 @@ def normalise_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
     result = []
+    call_ids: set[str] = set()  # ids of the calls the latest assistant turn made, which tool messages answer
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(
@@ -196,13 +201,55 @@ def normalise_messages(messages: Any) -> list[dict]:
         role = message["role"]
         if role not in ALLOWED_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ALLOWED_ROLES)}; got {role!r}")
-        if "content" not in message:
+        calls = (message.get("tool_calls") or None) if role == "assistant" else None  # [] is no calls
+        if "content" not in message and calls is None:
             raise ValueError(f"messages[{i}] lacks 'content'")
-        content = message["content"]
-        if content is None and role == "assistant" and message.get("tool_calls"):
+        content = message.get("content")
+        if content is None and calls is not None:
             content = ""  # an assistant turn that only calls tools
-        result.append({**message, "content": _content_text(content, i)})
+        entry = {**message, "content": _content_text(content, i)}
+        if calls is not None:
+            entry["tool_calls"] = _template_tool_calls(calls, i)
+            call_ids = {c["id"] for c in entry["tool_calls"]}
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise ValueError(f"messages[{i}] (role tool) needs tool_call_id: the id of the call it answers")
+            if call_id not in call_ids:
+                raise ValueError(f"messages[{i}].tool_call_id {call_id[:80]!r} answers no tool call of the "
+                                 "assistant message before it")
+        else:
+            call_ids = set()
+        result.append(entry)
     return result
+
+
+def _template_tool_calls(calls: Any, index: int) -> list[dict]:
+    """An assistant message's tool_calls as chat templates take them: arguments parsed from their
+    JSON string into an object (templates render them with tojson)."""
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"messages[{index}].tool_calls must be a non-empty list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise ValueError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        if not isinstance(call.get("id"), str):
+            raise ValueError(f"{where}.id must be a string")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}.function.name must be a non-empty string")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise ValueError(f"{where}.function.arguments must be a JSON object (as a string); got "
+                                 f"{fn['arguments'][:80]!r}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}.function.arguments must be a JSON object")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def _content_text(content: Any, index: int) -> str:

@@ -7,12 +7,13 @@ mutates a Request. Results return through `Scheduler.update(...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from tallyserve.core.kv_cache_manager import KVTransfers
 
 if TYPE_CHECKING:
     from tallyserve.sampling_params import SamplingParams
+    from tallyserve.structured_output.bitmask import GrammarBitmask
 
 
 class ScheduledRequest(NamedTuple):
@@ -56,6 +57,9 @@ class SchedulerOutput:
     # Requests that finished since the previous step: the runner drops their per-request state
     # (seeded generators) before this step's rows, so a reused id starts fresh.
     finished_request_ids: tuple[str, ...] = ()
+    # Structured outputs: token bitmask rows of the entries with a grammar (attached by the engine
+    # core after the ledger check; they change which tokens are sampled, never how many are computed).
+    grammar_bitmask: Optional["GrammarBitmask"] = None
 
     @property
     def is_empty(self) -> bool:

@@ -93,8 +93,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            if req.num_output_placeholders and self._ends_by_length(req, req.num_tokens):
-                idx += 1  # its in-flight token is its last one
+            if req.num_output_placeholders and (self._ends_by_length(req, req.num_tokens)
+                                                or req.sampling_params.structured_outputs is not None):
+                idx += 1  # its in-flight token is its last one, or its grammar must see that token first
                 continue
             needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))
             # drafts are trimmed to fit, never overshoot; a long prefill's chunk is capped at the threshold

@@ -9,6 +9,7 @@ what the simulator admits is what the server admits by construction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class EngineCore:
         self.inflight: Optional[_Launched] = None
         self.active: list[SchedulerOutput] = []  # steps the current step() call scheduled or completes
         self.last_so: Optional[SchedulerOutput] = None
+        # Structured outputs: fills each step's grammar bitmask (StructuredOutputManager), if set.
+        self.grammar = None
 
     def has_inflight(self) -> bool:
         return self.inflight is not None
@@ -120,7 +123,12 @@ class EngineCore:
             ledger.check_step(so.total_tokens, prepared.num_tokens, so.max_num_batched_tokens)
             if self.fault_injector is not None:
                 self.fault_injector(so)
-            handle = self.executor.launch(so, prepared, prev, self.drafts.draft_probs_for(so))
+            run_so = so
+            if self.grammar is not None:  # the rows with a grammar sample under its token bitmask
+                bitmask = self.grammar.bitmask_for(so, scheduled)
+                if bitmask is not None:
+                    run_so = dataclasses.replace(so, grammar_bitmask=bitmask)
+            handle = self.executor.launch(run_so, prepared, prev, self.drafts.draft_probs_for(so))
             return _Launched(so, scheduled, handle), None
         except ExecutorDeadError:
             raise

@@ -27,6 +27,7 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.engine.final_outputs_only = True  # generate() returns finished outputs only
+        self.engine.structured.compile_at_add = True  # a constraint that does not compile: ValueError
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -47,16 +48,26 @@ class LLM:
         return self._run(list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]], sampling_params: Params = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+             use_tqdm: bool = False, add_generation_prompt: bool = True, *, tools: Optional[list[dict]] = None,
+             chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict] = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations. `tools`: function
+        definitions (OpenAI's `{"type": "function", "function": {...}}`) for the chat template;
+        messages may hold assistant `tool_calls` and `tool` results. The output is the model's
+        text (parse tool calls from it with a `tallyserve.server.tool_parsers` parser)."""
+        from tallyserve.tool_specs import parse_tools
+
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it cannot apply a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must not be empty")
+        template_tools = [t.to_template() for t in parse_tools(tools)] or None if tools is not None else None
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            {"prompt_token_ids": tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tools=template_tools, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs, continue_final_message=continue_final_message)}
             for conv in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm, None)

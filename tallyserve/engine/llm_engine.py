@@ -27,6 +27,7 @@ from tallyserve.request import Request, RequestStatus
 from tallyserve.runner.model_runner import resolve_device, resolve_dtype
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams, check_unicode
+from tallyserve.structured_output.engine_hooks import StructuredOutputHooks
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ class LLMEngine:
                                                 self.config.cache_config.num_blocks)
         self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec)
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
+        self.structured = StructuredOutputHooks(self)  # grammars: compile off the loop, bitmasks per step
+        self.core.grammar = self.structured.manager
+        if self.spec is not None:
+            self.spec.structured = self.structured.manager
         self._parents: dict[str, ParentState] = {}
         self._seqs: dict[str, SequenceState] = {}
         self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
@@ -154,9 +159,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
-        for name in ("prompt_logprobs", "structured_outputs"):
-            if getattr(params, name) is not None:
-                raise ValueError(f"{name} is not supported yet")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -174,6 +178,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self.process_prompt(prompt)
+        grammar = self.structured.submit(params)  # compiles on a thread pool; ValueError if known bad
         max_model_len = self.config.scheduler_config.max_model_len
         check_prompt_length(len(ids), max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
@@ -186,14 +191,14 @@ class LLMEngine:
             seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req))
             parent.children.append(seq)
         for seq in parent.children:
-            self.scheduler.add_request(seq.request)
             self._seqs[seq.request.request_id] = seq
         self._parents[request_id] = parent
+        self.structured.admit(parent, grammar)  # scheduled now, or once its grammar is compiled
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             parent = self._parents.get(rid)
-            if parent is None:
+            if parent is None or self.structured.abort(rid):
                 continue
             ids = [c.request.request_id for c in parent.children if c.finish_reason is None]
             for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
@@ -227,6 +232,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         use_async = self.async_scheduling and not self.beams.groups  # beam groups step synchronously
+        self.structured.poll()  # requests whose grammar finished compiling join the scheduler
         outputs, self._pending = self._pending, []
         results = self.core.step(async_scheduling=use_async)
         touched: dict[str, ParentState] = {}
@@ -249,6 +255,7 @@ class LLMEngine:
                 touched[seq.parent_id] = self._parents[seq.parent_id]
                 try:
                     self._emit_tokens(seq, toks)
+                    self.structured.after_tokens(seq)
                 except Exception as exc:  # noqa: BLE001 - detokenizer, stop strings, logprobs: this request only
                     logger.error("output processing of request %s failed", rid, exc_info=exc)
                     self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
@@ -317,6 +324,7 @@ class LLMEngine:
         seq.finish_reason = req.status.finish_reason
         seq.stop_reason = req.stop_reason
         self._seqs.pop(req.request_id, None)
+        self.structured.forget(req.request_id)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """An exception escaped a step: fail the requests of the steps it was handling (every
@@ -383,4 +391,5 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

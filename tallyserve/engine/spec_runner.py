@@ -34,6 +34,9 @@ class SpecDecodeRunner(DraftSource):
         self.ngram = ngram
         self.draft = draft
         self._probs: dict[str, torch.Tensor] = {}
+        # Structured outputs: drafts are cut at the first token a request's grammar rejects, before
+        # the scheduler charges them (StructuredOutputManager, set by the engine).
+        self.structured = None
 
     @classmethod
     def create(cls, args: "EngineArgs", scheduler: "Scheduler", target: "ModelConfig", device: torch.device,
@@ -90,7 +93,7 @@ class SpecDecodeRunner(DraftSource):
                     ready.append(req)
         if self.ngram is not None:
             for req in ready:
-                sched.set_draft_tokens(req.request_id, self.ngram.propose(req.all_token_ids))
+                sched.set_draft_tokens(req.request_id, self._grammar_prefix(req, self.ngram.propose(req.all_token_ids)))
             return
         k = self.config.num_speculative_tokens
         batch = [
@@ -99,5 +102,14 @@ class SpecDecodeRunner(DraftSource):
             if sched.reserve_lookahead(r.request_id, k)  # the draft writes its KV into these slots
         ]
         for rid, (drafts, probs) in self.draft.propose(batch).items():
+            req = sched.requests.get(rid)
+            if req is not None:
+                drafts = self._grammar_prefix(req, drafts)
             sched.set_draft_tokens(rid, drafts)
-            self._probs[rid] = probs
+            self._probs[rid] = probs[:len(drafts)]
+
+    def _grammar_prefix(self, req: Request, drafts: list[int]) -> list[int]:
+        """The drafts the request's grammar accepts (all of them without a grammar)."""
+        if self.structured is None or not drafts or not self.structured.has(req.request_id):
+            return drafts
+        return self.structured.trim_drafts(req, drafts)

@@ -19,6 +19,7 @@ from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
 from tallyserve.runner.rejection_sampler import verify_drafts
 from tallyserve.runner.sampler import Sampler, host_tensor
+from tallyserve.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class ModelRunner:
         step = AsyncModelRunnerOutput(num_forward_tokens)
         raw = logits
         logits = self._process_logits(so, logits)  # penalties, logit_bias, allowed ids, bad words
+        logits = apply_grammar_bitmask(so, logits, raw)  # structured outputs: grammar rows only
         row, plain, plain_rows, gens = 0, [], [], []
         for e in so.requests:
             if not e.sample:

@@ -26,8 +26,11 @@ from tallyserve.server.protocol import (ChatCompletionChunk, ChatCompletionReque
                                         ModelList, TokenizeRequest, TokenizeResponse)
 from tallyserve.server.serving import ClientDisconnected, ServerContext, check_model
 from tallyserve.server.serving_chat import create_chat_completion
+from tallyserve.server.protocol_responses import ResponsesRequest
 from tallyserve.server.serving_completion import create_completion
+from tallyserve.server.serving_responses import create_response
 from tallyserve.server.serving_tokenize import create_detokenize, create_tokenize
+from tallyserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # docs, redoc, schema; /docs covers /docs/oauth2-redirect
@@ -40,14 +43,22 @@ def default_max_request_body_bytes(max_model_len: int) -> int:
 
 def build_app(engine: AsyncLLMEngine, *, api_key: Optional[str] = None, enable_fault_injection: bool = False,
               shutdown_timeout: float = 5.0, max_request_body_bytes: Optional[int] = None,
-              enable_docs: bool = True, trust_request_chat_template: bool = False) -> FastAPI:
+              enable_docs: bool = True, trust_request_chat_template: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
     """An app serving `engine`; the engine loop starts with the app and stops when it shuts down.
     The queue limit (429) and stall timeout are the engine's (AsyncLLMEngine arguments). Bodies
     over `max_request_body_bytes` (default: default_max_request_body_bytes) get 413; with an API
-    key the docs need it too; `enable_docs=False` removes /docs, /redoc and /openapi.json."""
+    key the docs need it too; `enable_docs=False` removes /docs, /redoc and /openapi.json.
+    `tool_call_parser` (a tool_parsers name) reads tool calls for tool_choice "auto", which needs
+    `enable_auto_tool_choice` (vLLM's flags)."""
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)  # ValueError naming the known parsers
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     ctx = ServerContext(engine=engine, metrics=ServerMetrics(engine), served_model_name=engine.served_model_name,
                         api_key=api_key, enable_fault_injection=enable_fault_injection,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template,
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_parser=tool_call_parser)
     if max_request_body_bytes is None:
         max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len)
 
@@ -352,6 +363,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
               responses={**_streamed(ChatCompletionChunk), **post_errors})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/v1/responses", responses={**_streamed(ResponsesRequest), **post_errors})
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await create_response(ctx, body, raw)
 
     tokenizer_errors = _errors(400, 401, 404, 413, 500)
 

@@ -16,6 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tallyserve.cli import add_engine_args, engine_args_from
+from tallyserve.server.tool_parsers import tool_parser_names
 
 logger = logging.getLogger("tallyserve.server")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -51,6 +52,12 @@ def register(subparsers) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (off: such a request is a 400; a template "
                         "can run for as long as it likes on the tokenizer thread)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): read tool calls in the output with '
+                        "--tool-call-parser (without this flag such requests are 400s)")
+    p.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="the format of the model's tool calls (hermes for Hermes/Qwen/ChatML models, "
+                        "llama3_json, mistral)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -117,6 +124,8 @@ def _validate(ns: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.max_request_body_bytes is not None and ns.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if not ns.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0, got {ns.header_timeout}")
 
@@ -232,7 +241,8 @@ def serve(ns: argparse.Namespace) -> int:
                             max_queue_len=ns.max_queue_len, slow_client_timeout=ns.slow_client_timeout)
     app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,
                     max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs,
-                    trust_request_chat_template=ns.trust_request_chat_template)
+                    trust_request_chat_template=ns.trust_request_chat_template,
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
                             http=header_timeout_protocol(ns.header_timeout),
                             access_log=not ns.disable_access_log, timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,

@@ -6,7 +6,7 @@ The rule the server applies (serving.check_unsupported):
 - honoured: parsed by the request model (protocol.py) and applied; invalid values are 400s of
   their own (ranges, types, the few documented combinations such as echo with logprobs).
 - unsupported: accepted only when absent, null, or set to one of its `harmless` values (the
-  default or a value that asks for exactly what tallyserve does anyway, e.g. `tool_choice:
+  default or a value that asks for exactly what tallyserve does anyway, e.g. `function_call:
   "none"`, `store: false`, `priority: 0`, `spaces_between_special_tokens: true`, an identifier
   such as `prompt_cache_key`); any other value is a 400 with code "unsupported_parameter" whose
   param is the field, so a client never believes a constraint (a JSON schema, a regex, a
@@ -115,17 +115,19 @@ _SHARED: dict[str, FieldInfo] = {
     "allowed_token_ids": _h("restrict sampling to these ids"),
     "bad_words": _h("never generate these words"),
     "truncate_prompt_tokens": _h("keep only the last N prompt tokens (-1: max_model_len); usage counts the kept ones"),
+    # vLLM structured outputs (one constraint per request; a grammar that does not compile is a 400)
+    "guided_json": _h("a JSON schema the output follows (xgrammar)"),
+    "guided_regex": _h("a regex the output matches (xgrammar)"),
+    "guided_choice": _h("the output is one of these strings (xgrammar)"),
+    "guided_grammar": _h("an EBNF grammar the output follows (xgrammar)"),
+    "guided_decoding_backend": _h('"xgrammar" or "auto"; any other backend is a 400'),
+    "guided_whitespace_pattern": _u("xgrammar takes no whitespace pattern (structured_outputs.disable_any_whitespace "
+                                    "gives compact JSON)"),
+    "structural_tag": _h("an xgrammar structural tag (JSON)"),
+    "structured_outputs": _h("json, regex, choice, grammar, json_object or structural_tag (one of them)"),
     # vLLM extras tallyserve does not implement
     "spaces_between_special_tokens": _u("detokenization takes no such option (true, the default, is accepted)", True),
     "prompt_logprobs": _u("prompt logprobs are not computed"),
-    "guided_json": _u("structured output (guided decoding) is not implemented"),
-    "guided_regex": _u("structured output (guided decoding) is not implemented"),
-    "guided_choice": _u("structured output (guided decoding) is not implemented"),
-    "guided_grammar": _u("structured output (guided decoding) is not implemented"),
-    "guided_decoding_backend": _u("structured output (guided decoding) is not implemented"),
-    "guided_whitespace_pattern": _u("structured output (guided decoding) is not implemented"),
-    "structural_tag": _u("structured output (guided decoding) is not implemented"),
-    "structured_outputs": _u("structured output (guided decoding) is not implemented"),
     "priority": _u("there is no priority scheduling", 0),
     "request_id": _u("tallyserve assigns its own request ids (responses would not carry yours)"),
     "logits_processors": _u("custom logits processors are not supported", []),
@@ -146,7 +148,7 @@ COMPLETION_FIELDS: dict[str, FieldInfo] = {
     "add_special_tokens": _h("encode text prompts with special tokens (default true)"),
     "suffix": _u("insertion (suffix) is not implemented", ""),
     "prompt_embeds": _u("prompt embeddings are not accepted; send text or token ids"),
-    "response_format": _u("only plain text output is supported", TEXT_FORMAT),
+    "response_format": _h('text, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}'),
 }
 
 CHAT_FIELDS: dict[str, FieldInfo] = {
@@ -162,12 +164,12 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "add_special_tokens": _h("also add the tokenizer's special tokens (e.g. BOS) to the rendered prompt"),
     "echo": _h("prepend the last message's content when it is an assistant message (the turn continued)"),
     # OpenAI fields tallyserve does not implement
-    "tools": _u("tool calling is not supported", []),
-    "tool_choice": _u("tool calling is not supported", "none", "auto"),
-    "parallel_tool_calls": _u("tool calling is not supported (no effect without tools)", ANY_BOOL),
-    "functions": _u("function calling is not supported", []),
-    "function_call": _u("function calling is not supported", "none", "auto"),
-    "response_format": _u("only plain text output is supported", TEXT_FORMAT),
+    "tools": _h("function tools, rendered by the chat template (bad shapes are 400s)"),
+    "tool_choice": _h("none / auto (needs --enable-auto-tool-choice) / required / a named function (grammar-enforced)"),
+    "parallel_tool_calls": _h("false: at most one call"),
+    "functions": _u("the legacy functions field is not supported: send tools", []),
+    "function_call": _u("the legacy function_call field is not supported: send tool_choice", "none", "auto"),
+    "response_format": _h('text, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}'),
     "audio": _u("audio output is not supported"),
     "modalities": _u("only text output is supported", ["text"]),
     "prediction": _u("predicted outputs are not supported"),

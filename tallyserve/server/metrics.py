@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from tallyserve.engine.async_engine import AsyncLLMEngine
 from tallyserve.outputs import RequestOutput
+from tallyserve.structured_output.metrics import StructuredOutputCollector, engine_compile_stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -91,6 +92,7 @@ class ServerMetrics:
         self.tokens_per_step = Histogram("tallyserve_tokens_per_step", "Tokens scheduled in each engine step.",
                                          buckets=_TOKEN_BUCKETS, registry=r)
         r.register(EngineStatsCollector(engine))
+        r.register(StructuredOutputCollector(engine_compile_stats(engine)))
         engine.step_observer = self.tokens_per_step.observe
 
     def render(self) -> bytes:

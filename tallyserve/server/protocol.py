@@ -101,6 +101,14 @@ class SamplingFields(_Request):
     bad_words: Optional[list[str]] = None
     # keep only the last N prompt tokens (left truncation); -1: max_model_len
     truncate_prompt_tokens: Optional[int] = None
+    # structured outputs (vLLM's names; server/structured.py maps them to StructuredOutputsParams)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +123,7 @@ class CompletionRequest(SamplingFields):
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     add_special_tokens: Optional[bool] = True  # for text prompts (e.g. a BOS)
+    response_format: Optional[dict[str, Any]] = None  # text, json_object or json_schema
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -123,8 +132,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[Any]] = None  # function tools (checked by tool_specs.parse_tools)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None  # none / auto / required / a named function
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call
     response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = True
     # vLLM's chat template controls
@@ -216,10 +226,31 @@ class ChatChoiceLogprobs(_Response):
     refusal: Optional[list[ChatLogprobEntry]] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
+    """`tool_calls` appears only when the model called tools."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(_Response):
@@ -239,11 +270,35 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: Optional[str] = None
 
 
+class _Sparse(_Response):
+    """Serialised without its unset (None) fields, as OpenAI's stream deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Sparse):
+    """A call's first delta carries index, id, type and the name (arguments ""); later ones only
+    index and a fragment of the arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
     """A streamed delta: only the fields that are set appear (the final delta is `{}`)."""
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -23,6 +23,7 @@ from tallyserve.server import errors, fields
 from tallyserve.server.errors import APIError, bad_request, quote
 from tallyserve.server.metrics import ServerMetrics
 from tallyserve.server.protocol import SamplingFields
+from tallyserve.server.structured import CONSTRAINT_FIELD, check_compiles, structured_outputs_of
 
 logger = logging.getLogger(__name__)
 MAX_N = 128  # OpenAI's limit on n
@@ -38,6 +39,8 @@ class ServerContext:
     api_key: Optional[str] = None
     enable_fault_injection: bool = False
     trust_request_chat_template: bool = False  # render a chat_template sent in a request (vLLM's flag)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses outputs with tool_parser (vLLM's flags)
+    tool_parser: Optional[str] = None
     # One worker with its own tokenizer copy: no tokenizer object is ever used by two threads.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tallyserve-tokenize"))
@@ -132,6 +135,7 @@ def check_unsupported(req: SamplingFields) -> None:
     n = 1 if req.n is None else req.n
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {quote(n)}", "n")
+    structured_outputs_of(req)  # a malformed or doubled constraint, or one with beam search: 400
 
 
 def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
@@ -153,6 +157,8 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
         repetition_penalty=_default(req.repetition_penalty, 1.0), logit_bias=req.logit_bias or None,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
     )
+    kwargs["structured_outputs"], constraint_field = structured_outputs_of(req)
+    CONSTRAINT_FIELD.set(constraint_field)  # names the field if its grammar does not compile
     try:
         params = SamplingParams(**kwargs)
     except ValueError as exc:
@@ -224,6 +230,7 @@ async def tokenize(ctx: ServerContext, size: int, fn: Callable[[Any], T]) -> T:
 async def tracked(ctx: ServerContext, request_id: str, prompt: dict, params: SamplingParams
                   ) -> AsyncIterator[RequestOutput]:
     """One engine request, its metrics recorded however it ends."""
+    await check_compiles(ctx.engine, params)  # a grammar that does not compile: 400 before any output
     tracker = ctx.metrics.tracker()
     gen = ctx.engine.generate(request_id, prompt, params)
     try:

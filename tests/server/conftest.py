@@ -46,3 +46,19 @@ def offline(tiny_model_dir):
     from tallyserve import LLM
 
     return LLM(model=tiny_model_dir, num_gpu_blocks_override=256, block_size=8)
+
+
+@pytest.fixture(scope="session")
+def tools_server(tiny_model_dir, server_logs):
+    """A server that parses tool calls (tool_choice "auto") in the Hermes format of ChatML models."""
+    srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY,
+                     "--trust-request-chat-template", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tools_client(tools_server):
+    c = openai.OpenAI(base_url=tools_server.base_url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
+    yield c
+    c.close()

@@ -302,8 +302,11 @@ def test_chat_template_accepts_text_parts(tok):
 
 
 def test_chat_template_assistant_tool_call_without_content(tok):
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     assert tok.apply_chat_template(messages)
+    with pytest.raises(ValueError, match=r"tool_calls\[0\].id must be a string"):
+        tok.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""Structured outputs (constrained decoding) through xgrammar: compile cache, per-request matchers, bitmasks."""

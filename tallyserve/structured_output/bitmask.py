@@ -1,0 +1,68 @@
+"""Token bitmasks on the device: what the sampler applies to a step's logits.
+
+A bitmask row is ceil(vocab / 32) int32 words; bit ``t % 32`` of word ``t // 32`` set means token
+``t`` is allowed. The engine fills one host tensor per step for the rows that need it (rows of
+requests with a grammar, one per sampled position: the last token and each draft) and ships it
+with the step; the runner uploads it without waiting and masks those logits rows in one batched
+operation. Rows without a grammar are not touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from tallyserve.core.sched_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class GrammarBitmask:
+    """The bitmask rows of one step: for each request id in ``request_ids`` (in the step's order),
+    ``num_sample_rows`` consecutive rows of ``bitmask`` (int32, host memory)."""
+
+    request_ids: frozenset[str]
+    bitmask: torch.Tensor  # (rows, ceil(vocab / 32)) int32
+
+
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, vocab_size) bool: which tokens each row allows (works on any device)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift keeps bit 31 readable
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def logits_rows(so: "SchedulerOutput", request_ids: frozenset[str]) -> list[int]:
+    """Rows of the step's logits (one per sampled position) that belong to ``request_ids``."""
+    rows, row = [], 0
+    for e in so.requests:
+        n = e.num_sample_rows
+        if n and e.request_id in request_ids:
+            rows.extend(range(row, row + n))
+        row += n
+    return rows
+
+
+def apply_grammar_bitmask(so: "SchedulerOutput", logits: torch.Tensor, raw: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
+    """Mask (to -inf) the tokens each grammar row forbids; returns the logits to sample from.
+    ``raw``: the unprocessed logits (kept for the reported logprobs): when ``logits`` is that very
+    tensor it is copied first, so the logprobs stay those of the model."""
+    gb: Optional[GrammarBitmask] = getattr(so, "grammar_bitmask", None)
+    if gb is None or not gb.request_ids:
+        return logits
+    from tallyserve.runner.sampler import host_tensor
+
+    rows = logits_rows(so, gb.request_ids)
+    if len(rows) != gb.bitmask.shape[0]:
+        raise ValueError(f"grammar bitmask has {gb.bitmask.shape[0]} rows for {len(rows)} logits rows")
+    if raw is not None and logits is raw:
+        logits = logits.clone()
+    index = host_tensor(rows, logits.device)
+    words = host_tensor(gb.bitmask.numpy(), logits.device, torch.int32)
+    allowed = allowed_from_bitmask(words, logits.shape[1])
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)
+    return logits

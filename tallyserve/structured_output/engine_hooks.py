@@ -1,0 +1,128 @@
+"""How LLMEngine runs structured-output requests, kept out of the engine's own module.
+
+A request whose grammar is still compiling waits here, outside the scheduler: it is not
+scheduled and the ledger charges nothing for it. Each step the engine admits the requests whose
+grammar is ready (one matcher per sequence) and fails those whose grammar did not compile.
+After a step, a sequence whose matcher reached its end state is finished ("stop"), and one whose
+token the grammar rejected (it cannot happen while the bitmask is applied) fails with an error.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Optional
+
+from tallyserve.request import RequestStatus
+from tallyserve.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from tallyserve.engine.llm_engine import LLMEngine
+    from tallyserve.engine.output_processor import ParentState, SequenceState
+    from tallyserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long an otherwise idle step waits for a grammar to finish compiling.
+IDLE_COMPILE_WAIT_S = 0.05
+
+
+class StructuredOutputHooks:
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+        self.manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
+                                               engine.eos_token_ids)
+        self.waiting: dict[str, Future] = {}  # parent request id -> its grammar's future
+        # The offline LLM compiles at add time, so a bad constraint is a ValueError there; the
+        # server validates before adding, and the engine itself never waits for a compile.
+        self.compile_at_add = False
+
+    def submit(self, params: "SamplingParams") -> Optional[Future]:
+        """At add time: start compiling; ValueError now if the constraint is already known bad."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        fut = self.manager.submit(so)
+        if self.compile_at_add:
+            fut.result()  # raises the ValueError of a constraint that does not compile
+        elif fut.done() and fut.exception() is not None:
+            raise fut.exception()
+        return fut
+
+    def admit(self, parent: "ParentState", fut: Optional[Future]) -> None:
+        """Schedule the parent's sequences now if their grammar is ready, else park them."""
+        if fut is not None and not fut.done():
+            self.waiting[parent.request_id] = fut
+            return
+        self._start(parent, fut)
+
+    def _start(self, parent: "ParentState", fut: Optional[Future]) -> None:
+        engine = self.engine
+        if fut is not None:
+            compiled = fut.result()
+            for seq in parent.children:
+                kind = seq.request.sampling_params.structured_outputs.kind
+                self.manager.register(seq.request.request_id, compiled, kind)
+        for seq in parent.children:
+            engine.scheduler.add_request(seq.request)
+
+    def poll(self) -> None:
+        """Before a step: admit parked requests whose grammar is ready, fail those that failed.
+        When nothing else can run, wait a moment for a compile instead of spinning."""
+        if not self.waiting:
+            return
+        engine = self.engine
+        if not engine.scheduler.requests and not engine.core.has_inflight():
+            concurrent.futures.wait(list(self.waiting.values()), timeout=IDLE_COMPILE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for rid, fut in list(self.waiting.items()):
+            if not fut.done():
+                continue
+            del self.waiting[rid]
+            parent = engine._parents.get(rid)
+            if parent is None:
+                continue
+            exc = fut.exception()
+            if exc is None:
+                self._start(parent, fut)
+            else:
+                self.end_parked(parent, RequestStatus.FINISHED_ERROR, str(exc))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a parked request; False if it is not parked."""
+        fut = self.waiting.pop(request_id, None)
+        parent = self.engine._parents.get(request_id)
+        if fut is None or parent is None:
+            return False
+        self.end_parked(parent, RequestStatus.FINISHED_ABORTED, None)
+        return True
+
+    def end_parked(self, parent: "ParentState", status: RequestStatus, error: Optional[str]) -> None:
+        engine = self.engine
+        for seq in parent.children:
+            seq.request.status = status
+            seq.request.error = error
+            engine._finish_seq(seq, seq.request, flush=False)
+        parent.error = error
+        engine._pending.append(engine._pop_if_finished(parent))
+
+    def after_tokens(self, seq: "SequenceState") -> None:
+        """After a sequence's new tokens were emitted: follow them with its matcher; end the
+        sequence when the grammar is done, fail it if the grammar rejected a token."""
+        req = seq.request
+        if req.is_finished() or not self.manager.has(req.request_id):
+            return
+        if not self.manager.sync(req):
+            msg = self.manager.error(req.request_id)
+            logger.error("request %s: %s", req.request_id, msg)
+            self.engine._fail_seq(seq, f"structured output: {msg}")
+        elif self.manager.is_terminated(req.request_id):
+            self.engine.scheduler.stop_request(req, len(req.output_token_ids), None)
+            self.engine._finish_seq(seq, req)
+
+    def forget(self, request_id: str) -> None:
+        self.manager.forget(request_id)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

@@ -1,0 +1,218 @@
+"""StructuredOutputManager: the engine side of structured outputs.
+
+It owns the compile cache (one xgrammar tokenizer description for the engine's tokenizer and
+vocabulary) and one grammar matcher per running sequence. Matchers follow the request's sampled
+output tokens: before a step's bitmask is filled, and after each step, ``sync`` accepts the tokens
+the matcher has not seen yet and rolls back any it saw that the request no longer has (a stop
+string cut them). Preemption with recompute keeps a request's output tokens, so its matcher stays
+exact; a matcher that cannot roll back far enough is rebuilt and replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from tallyserve.sampling_params import StructuredOutputsParams
+from tallyserve.structured_output.bitmask import GrammarBitmask
+from tallyserve.structured_output.compiler import GrammarCompileCache, GrammarKey
+
+if TYPE_CHECKING:
+    from tallyserve.core.sched_output import SchedulerOutput
+    from tallyserve.request import Request
+    from tallyserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestGrammar:
+    """One sequence's matcher and the output tokens it has accepted."""
+
+    compiled: Any
+    matcher: Any
+    json: bool = False  # a JSON kind: tokens with raw control characters are masked too
+    tokens: list[int] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Optional["Tokenizer"], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._cache: Optional[GrammarCompileCache] = None
+        self._lock = threading.Lock()
+        self.states: dict[str, RequestGrammar] = {}
+        self._json_words: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------------- compilation
+    @property
+    def cache(self) -> GrammarCompileCache:
+        """Built on first use (describing a large vocabulary to xgrammar takes a moment)."""
+        with self._lock:
+            if self._cache is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured_outputs needs a tokenizer, and this model has none")
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self.vocab_size,
+                                                          stop_token_ids=list(self.eos_token_ids))
+                self._json_words = _no_control_words(info.decoded_vocab, self.vocab_size, self.eos_token_ids)
+                self._cache = GrammarCompileCache(info)
+            return self._cache
+
+    @property
+    def stats(self):
+        return self._cache.stats if self._cache is not None else None
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """Start compiling (or share the compiled grammar of) ``params``; ValueError if it is
+        malformed before compiling (e.g. a schema that is not JSON)."""
+        key = GrammarKey.of(params)
+        cache = self.cache
+        cache.stats.count_request(key.kind)
+        return cache.submit(key)
+
+    def compile(self, params: StructuredOutputsParams, timeout: Optional[float] = None) -> Any:
+        """Compile synchronously (for validation before a request is accepted); ValueError if invalid."""
+        return self.cache.compile(GrammarKey.of(params), timeout)
+
+    # ----------------------------------------------------------------- matchers
+    def register(self, request_id: str, compiled: Any, kind: str = "") -> None:
+        import xgrammar as xgr
+
+        self.states[request_id] = RequestGrammar(compiled, xgr.GrammarMatcher(compiled),
+                                                 json=kind in ("json", "json_object"))
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def error(self, request_id: str) -> Optional[str]:
+        st = self.states.get(request_id)
+        return st.error if st is not None else None
+
+    def is_terminated(self, request_id: str) -> bool:
+        st = self.states.get(request_id)
+        return st is not None and st.matcher.is_terminated()
+
+    def sync(self, req: "Request") -> bool:
+        """Bring the request's matcher to its sampled output tokens; False if the grammar rejected one."""
+        st = self.states.get(req.request_id)
+        if st is None or st.error is not None:
+            return st is None
+        out = req.output_token_ids
+        n = len(st.tokens)
+        if n > len(out) or (n and out[n - 1] != st.tokens[-1]):
+            keep = 0
+            limit = min(n, len(out))
+            while keep < limit and out[keep] == st.tokens[keep]:
+                keep += 1
+            self._rewind(st, keep)
+        for token in out[len(st.tokens):]:
+            if st.matcher.is_terminated() or not st.matcher.accept_token(token):
+                st.error = f"the grammar rejected output token {token} at position {len(st.tokens)}"
+                return False
+            st.tokens.append(token)
+        return True
+
+    def _rewind(self, st: RequestGrammar, keep: int) -> None:
+        drop = len(st.tokens) - keep
+        if drop <= 0:
+            return
+        try:
+            st.matcher.rollback(drop)
+        except Exception:  # noqa: BLE001 - past its rollback window: rebuild and replay
+            import xgrammar as xgr
+
+            st.matcher = xgr.GrammarMatcher(st.compiled)
+            for t in st.tokens[:keep]:
+                st.matcher.accept_token(t)
+        del st.tokens[keep:]
+
+    def trim_drafts(self, req: "Request", drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts after the request's output (drafts
+        past a stop token are cut too); the matcher ends where it started."""
+        st = self.states.get(req.request_id)
+        if st is None or not drafts:
+            return drafts
+        if not self.sync(req):
+            return []
+        accepted = 0
+        for d in drafts:
+            if st.matcher.is_terminated() or not st.matcher.accept_token(d):
+                break
+            accepted += 1
+        if accepted:
+            st.matcher.rollback(accepted)
+        return drafts[:accepted]
+
+    # ----------------------------------------------------------------- bitmasks
+    def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
+        """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
+        token and one after each draft (per-position masks for verification)."""
+        entries = [e for e in so.requests if e.sample and e.request_id in self.states and not e.beam_search]
+        if not entries:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(sum(e.num_sample_rows for e in entries), self.vocab_size)
+        row = 0
+        for e in entries:
+            st = self.states[e.request_id]
+            req = requests.get(e.request_id)
+            if req is not None:
+                self.sync(req)
+            if st.error is None and len(st.tokens) != e.num_output_tokens:
+                st.error = (f"grammar state is at {len(st.tokens)} output tokens but the step samples after "
+                            f"{e.num_output_tokens}")
+            self._fill(st, bitmask, row)
+            accepted = 0
+            for j, d in enumerate(e.draft_token_ids):
+                ok = (st.error is None and not st.matcher.is_terminated() and st.matcher.accept_token(d))
+                if ok:
+                    accepted += 1
+                    self._fill(st, bitmask, row + j + 1)
+                else:  # the verifier rejects this draft (masked); later rows are never used
+                    bitmask[row + j + 1:row + e.num_sample_rows] = bitmask[row + j]
+                    break
+            if accepted:
+                st.matcher.rollback(accepted)
+            row += e.num_sample_rows
+        return GrammarBitmask(frozenset(e.request_id for e in entries), bitmask)
+
+    def _fill(self, st: RequestGrammar, bitmask: torch.Tensor, row: int) -> None:
+        if st.error is None and not st.matcher.is_terminated():
+            st.matcher.fill_next_token_bitmask(bitmask, row)
+            if st.json and self._json_words is not None:
+                bitmask[row] &= self._json_words
+            return
+        bitmask[row] = 0  # ended or broken: only a stop token may follow (the engine ends it)
+        for t in self.eos_token_ids:
+            if 0 <= t < self.vocab_size:
+                bitmask[row, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+
+    def shutdown(self) -> None:
+        if self._cache is not None:
+            self._cache.shutdown()
+
+
+def _no_control_words(decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
+    """Bitmask words allowing every token whose bytes hold no raw control character but CR / LF
+    (JSON allows none unescaped in strings; whitespace needs only space, CR and LF). The JSON
+    grammars' string rule lets single control bytes through; this keeps the output strict JSON."""
+    bad = set(range(0x20)) - {0x0A, 0x0D}
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    for t in range(vocab_size):
+        piece = decoded_vocab[t] if t < len(decoded_vocab) else b""
+        if (piece and not bad.intersection(piece)) or t in keep:
+            words[t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)

@@ -1,0 +1,49 @@
+"""Prometheus metrics of structured outputs, read at scrape time from the compile cache's counters:
+tallyserve_structured_output_requests_total{kind}, tallyserve_structured_output_compile_seconds
+(a histogram of grammar compiles), tallyserve_structured_output_cache_hits_total and
+tallyserve_structured_output_compile_failures_total."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tallyserve.sampling_params import StructuredOutputsParams
+from tallyserve.structured_output.compiler import COMPILE_BUCKETS, CompileStats
+
+
+class StructuredOutputCollector(Collector):
+    def __init__(self, stats: Callable[[], Optional[CompileStats]]) -> None:
+        self._stats = stats  # None until the first structured-output request built the cache
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats() or CompileStats()
+        requests = CounterMetricFamily("tallyserve_structured_output_requests",
+                                       "Requests with structured outputs, by kind of constraint.", labels=["kind"])
+        for kind in StructuredOutputsParams.KINDS:
+            requests.add_metric([kind], float(s.requests.get(kind, 0)))
+        yield requests
+        yield CounterMetricFamily("tallyserve_structured_output_cache_hits",
+                                  "Structured-output requests whose grammar was already compiled (or compiling).",
+                                  value=float(s.cache_hits))
+        yield CounterMetricFamily("tallyserve_structured_output_compile_failures",
+                                  "Constraints that did not compile (bad schema, regex or grammar).",
+                                  value=float(s.failures))
+        cumulative, buckets = 0, []
+        for bound, count in zip(COMPILE_BUCKETS, list(s.compile_bucket_counts)):
+            cumulative += count
+            buckets.append((repr(float(bound)), float(cumulative)))
+        buckets.append(("+Inf", float(s.compiles)))
+        yield HistogramMetricFamily("tallyserve_structured_output_compile_seconds",
+                                    "Seconds to compile a grammar (compiles run off the step loop).",
+                                    buckets=buckets, sum_value=s.compile_seconds_sum)
+
+
+def engine_compile_stats(async_engine: Any) -> Callable[[], Optional[CompileStats]]:
+    """The stats getter for an AsyncLLMEngine (None where the engine has no structured outputs)."""
+    def get() -> Optional[CompileStats]:
+        hooks = getattr(getattr(async_engine, "engine", None), "structured", None)
+        return hooks.manager.stats if hooks is not None else None
+    return get
