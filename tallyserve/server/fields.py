@@ -115,9 +115,10 @@ _SHARED: dict[str, FieldInfo] = {
     "allowed_token_ids": _h("restrict sampling to these ids"),
     "bad_words": _h("never generate these words"),
     "truncate_prompt_tokens": _h("keep only the last N prompt tokens (-1: max_model_len); usage counts the kept ones"),
+    "prompt_logprobs": _h("logprobs of every prompt token plus this many top alternatives (at most max_logprobs; "
+                          "not with stream or use_beam_search)"),
     # vLLM extras tallyserve does not implement
     "spaces_between_special_tokens": _u("detokenization takes no such option (true, the default, is accepted)", True),
-    "prompt_logprobs": _u("prompt logprobs are not computed"),
     "guided_json": _u("structured output (guided decoding) is not implemented"),
     "guided_regex": _u("structured output (guided decoding) is not implemented"),
     "guided_choice": _u("structured output (guided decoding) is not implemented"),
@@ -141,8 +142,8 @@ _SHARED: dict[str, FieldInfo] = {
 COMPLETION_FIELDS: dict[str, FieldInfo] = {
     **_SHARED,
     "prompt": _h("a string, strings, token ids or lists of token ids"),
-    "echo": _h("prepend the prompt (not with logprobs: prompt logprobs are not computed)"),
-    "logprobs": _h("top logprobs per output token (at most max_logprobs)"),
+    "echo": _h("prepend the prompt; with logprobs, its tokens' logprobs too; with max_tokens 0, only the prompt"),
+    "logprobs": _h("top logprobs per output token, and per prompt token with echo (at most max_logprobs)"),
     "add_special_tokens": _h("encode text prompts with special tokens (default true)"),
     "suffix": _u("insertion (suffix) is not implemented", ""),
     "prompt_embeds": _u("prompt embeddings are not accepted; send text or token ids"),

@@ -22,6 +22,7 @@ from tallyserve.sampling_params import SamplingParams
 from tallyserve.server import errors, fields
 from tallyserve.server.errors import APIError, bad_request, quote
 from tallyserve.server.metrics import ServerMetrics
+from tallyserve.server.prompt_logprobs import check_prompt_logprobs
 from tallyserve.server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ def check_unsupported(req: SamplingFields) -> None:
     check_fields(req)
     if req.use_beam_search:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                          ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", [])):
+                          ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", []),
+                          ("prompt_logprobs", None)):
             if getattr(req, name, None) not in (None, off):
                 raise bad_request(f"{name} is not supported with use_beam_search", name, "unsupported_parameter")
     n = 1 if req.n is None else req.n
@@ -151,7 +153,7 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
         include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
         presence_penalty=_default(req.presence_penalty, 0.0), frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0), logit_bias=req.logit_bias or None,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
     )
     try:
         params = SamplingParams(**kwargs)
@@ -162,6 +164,7 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
             msg, field = msg.replace("max_tokens", max_tokens_param, 1), max_tokens_param
         raise bad_request(msg, field if field in kwargs or field == max_tokens_param else None) from exc
     if ctx is not None:
+        check_prompt_logprobs(req, ctx.engine.max_logprobs)
         vocab = ctx.engine.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]

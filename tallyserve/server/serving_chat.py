@@ -19,6 +19,7 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server.errors import QUOTE_LIMIT, bad_request, clip, quote
 from tallyserve.server.logprobs import chat_logprobs
+from tallyserve.server.prompt_logprobs import prompt_logprobs_field
 from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
@@ -135,7 +136,9 @@ def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
         choices.append(ChatChoice(index=o.index, message=ChatMessage(content=prefix + o.text), logprobs=lp,
                                   finish_reason=o.finish_reason))
     usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
-    return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
+    scored = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) if req.prompt_logprobs is not None else None
+    return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage,
+                                  prompt_logprobs=scored)
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, n: int,
