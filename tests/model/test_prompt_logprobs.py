@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tallyserve import LLM, SamplingParams
+from tallyserve.core.prefix_cache import ROOT_HASH, hash_block
 from tallyserve.runner import prompt_logprobs as plp
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -232,3 +233,44 @@ def test_slices_bound_the_logits_of_a_long_chunk():
         assert abs(got.logprobs[i] - ref[targets[i]].item()) <= 1e-4
         assert got.ranks[i] == int((ref > ref[targets[i]]).sum()) + 1
         assert got.top_ids[i] == ref.topk(5).indices.tolist()
+
+
+def test_tensor_parallel_ranks_score_the_prompt_alike(tmp_path):
+    """TP=2 (two gloo workers): every rank computes the same logits slices; rank 0 returns them."""
+    import transformers
+
+    path = make_tiny_model(tmp_path, "llama", seed=7)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=path, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                            SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+        for out, prompt in zip(outs, PROMPTS):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            check_against_reference(out.prompt_logprobs, prompt, ref, 2)
+        ledger_exact_and_no_leak(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_host_tier_hit_is_skipped_for_prompt_logprobs_only(tiny):
+    """Blocks evicted to the host tier serve a plain request, not one that needs the prompt's logits."""
+    path, reference = tiny
+    llm = LLM(model=path, block_size=4, num_gpu_blocks_override=16, max_model_len=64, kv_offload_bytes=1 << 20)
+    prompt = PROMPTS[0] + [4, 5, 6]
+    fillers = [[(7 * i + j) % 250 + 3 for j in range(26)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt}, greedy)[0]
+    for pair in (fillers[:2], fillers[2:]):  # evict the prompt's blocks to the host
+        llm.generate([{"prompt_token_ids": f} for f in pair], greedy)
+    kv = llm.engine.scheduler.kv
+    first_block = hash_block(ROOT_HASH, prompt[:4])
+    assert kv.host.lookup(first_block) is not None and kv.pool.prefix_cache.lookup(first_block) is None
+    before = llm.stats()["host_hit_tokens"]
+    scored = llm.generate({"prompt_token_ids": prompt}, greedy.clone(prompt_logprobs=1))[0]
+    assert llm.stats()["host_hit_tokens"] == before and scored.num_cached_tokens == 0
+    check_against_reference(scored.prompt_logprobs, prompt, reference(prompt), 1)
+    assert scored.outputs[0].token_ids == first.outputs[0].token_ids
+    ledger_exact_and_no_leak(llm)
+    assert llm.engine.scheduler.kv.host.num_pinned == 0
