@@ -54,7 +54,7 @@ def parity() -> None:
     s = llm.stats()
     assert s["scheduled_tokens"] == s["forward_tokens"] and s["ledger_violations"] == 0
     assert s["num_free_blocks"] == s["num_total_blocks"]
-    print(f"parity on cuda (async={llm.engine.async_scheduling}): max |logprob - transformers| = {worst:.2e}")
+    print(f"parity on {llm.engine.device} (async={llm.engine.async_scheduling}): max |logprob - transformers| = {worst:.2e}")
 
 
 def cost(num_tokens: int = 2048) -> None:
