@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Sequence
 
-from tallyserve.outputs import Logprob, PromptLogprobs
+from tallyserve.outputs import Logprob, PromptLogprobs, RequestOutput
 from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
 from tallyserve.server.protocol import CompletionLogprobs, PromptLogprob
@@ -47,6 +47,12 @@ def prompt_logprobs_field(entries: Optional[PromptLogprobs], k: int) -> Optional
         out.append({tid: PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
                     for tid, lp in entry.items() if tid == first or (lp.rank is not None and lp.rank <= k)})
     return out
+
+
+def scored(out: RequestOutput) -> bool:
+    """Whether every prompt token but the first has its logprobs (they arrive with the prefill chunks)."""
+    entries = out.prompt_logprobs
+    return entries is not None and all(e is not None for e in entries[1:])
 
 
 def echo_logprobs(tokenizer: Optional[Tokenizer], prompt_ids: Sequence[int], entries: Optional[PromptLogprobs],

@@ -13,7 +13,7 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
-from tallyserve.server.prompt_logprobs import echo_logprobs, extend, prompt_logprobs_field
+from tallyserve.server.prompt_logprobs import echo_logprobs, extend, prompt_logprobs_field, scored
 from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo, now, random_id)
 from tallyserve.server.serving import (ServerContext, check_admission, check_model, check_prompt_ids,
@@ -169,6 +169,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
     last: dict[int, RequestOutput] = {}
     prompt_only = _prompt_only(req)
+    echo_scored = bool(req.echo) and req.logprobs is not None
     try:
         async for i, out in stream:
             last[i] = out
@@ -176,6 +177,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
                 p = progress[i * n + o.index]
                 if p.finished:
                     continue
+                if echo_scored and not p.started and not o.finish_reason and not scored(out):
+                    continue  # the first chunk waits for the whole prompt's logprobs (outputs are cumulative)
                 delta, ids, lps = p.advance(o)
                 if prompt_only:  # one chunk, once the dropped token is in: the prompt alone
                     if not p.finished:
