@@ -48,8 +48,9 @@ class ScheduledRequest(NamedTuple):
 
 def prompt_logprob_targets(req: "Request", start: int, num_real: int) -> tuple[int, ...]:
     """The prompt tokens scored by the rows of a chunk of ``num_real`` tokens from ``start``: every
-    row up to the second-to-last prompt position, for a request with prompt_logprobs only."""
-    if req.sampling_params.prompt_logprobs is None:
+    row up to the second-to-last prompt position, for a request with prompt_logprobs that has no
+    output token yet (one recomputing its prompt after a preemption scored it already)."""
+    if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
         return ()
     end = min(start + num_real, req.num_prompt_tokens - 1)
     return tuple(req.prompt_token_ids[start + 1:end + 1]) if end > start else ()
