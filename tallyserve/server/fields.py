@@ -155,7 +155,7 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "messages": _h("through the model's chat template"),
     "max_completion_tokens": _h("output length limit (takes precedence over max_tokens)"),
     "logprobs": _h("logprobs of the output tokens"),
-    "top_logprobs": _h("alternatives per token (needs logprobs, at most 20)"),
+    "top_logprobs": _h("alternatives per token (needs logprobs, at most max_logprobs: 20 unless --max-logprobs)"),
     "add_generation_prompt": _h("passed to the chat template"),
     "continue_final_message": _h("the last message is left open and continued (not with add_generation_prompt)"),
     "chat_template": _h("a Jinja template replacing the model's (rendered sandboxed; a failure is a 400)"),

@@ -40,9 +40,8 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest) -> Union[Samp
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top = req.top_logprobs or 0
-    if req.logprobs and not 0 <= top <= min(20, ctx.engine.max_logprobs):
-        raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {quote(top)}",
-                          "top_logprobs")
+    if req.logprobs and not 0 <= top <= ctx.engine.max_logprobs:  # 20 (OpenAI's limit) unless --max-logprobs
+        raise bad_request(f"top_logprobs must be in [0, {ctx.engine.max_logprobs}], got {quote(top)}", "top_logprobs")
     alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if req.use_beam_search:
         return beam_spec(req, req.effective_max_tokens, alias, logprobs=bool(req.logprobs))

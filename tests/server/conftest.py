@@ -62,8 +62,9 @@ def bundled_dir() -> str:
 
 @pytest.fixture(scope="session")
 def bundled_server(bundled_dir, server_logs):
-    """A live server of the bundled model (float32 on the CPU), named "smol"."""
-    srv = LiveServer(bundled_dir, server_logs, "--served-model-name", "smol", "--api-key", API_KEY)
+    """A live server of the bundled model (float32 on the CPU), named "smol", with --max-logprobs 30."""
+    srv = LiveServer(bundled_dir, server_logs, "--served-model-name", "smol", "--api-key", API_KEY,
+                     "--max-logprobs", "30")
     yield srv
     srv.stop()
 

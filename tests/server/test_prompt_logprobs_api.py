@@ -155,13 +155,14 @@ def test_prompt_logprobs_on_completions_and_chat(client, tokenizer, reference):
 @pytest.mark.parametrize("endpoint, body, param", [
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
-    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 31}, "prompt_logprobs"),  # the server runs with --max-logprobs 30
     ("completions", {"prompt_logprobs": 1.5}, "prompt_logprobs"),
-    ("completions", {"echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs"),
+    ("completions", {"echo": True, "logprobs": 31, "max_tokens": 0}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 31}, "top_logprobs"),
     ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("chat", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("chat", {"prompt_logprobs": 1, "use_beam_search": True, "n": 2}, "prompt_logprobs"),
-    ("chat", {"prompt_logprobs": 50}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 31}, "prompt_logprobs"),
 ])
 def test_bad_values_are_400s_naming_the_field(bundled_server, endpoint, body, param):
     base = {"model": MODEL, "max_tokens": 2}
@@ -183,3 +184,15 @@ def test_no_kv_block_leaks_and_the_ledger_held(bundled_server, client):
     assert m["tallyserve_kv_blocks_free"] == m["tallyserve_kv_blocks_total"]
     assert m["tallyserve_ledger_violations_total"] == 0 and m["tallyserve_step_errors_total"] == 0
     assert metrics(bundled_server.base_url)["tallyserve_engine_healthy"] == 1
+
+
+def test_max_logprobs_flag_lifts_the_limit_of_20(client, tokenizer, reference):
+    """--max-logprobs 30: 30 top logprobs for the echoed prompt, the prompt_logprobs field and chat."""
+    ids = tokenizer(TEXT)["input_ids"]
+    r = client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=30, max_tokens=0,
+                                  extra_body={"prompt_logprobs": 25})
+    check_echoed_prompt(r.choices[0].logprobs, ids, tokenizer, reference(ids), 30)
+    _check_vllm_field(r.choices[0].model_extra["prompt_logprobs"], ids, reference(ids), 25)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       temperature=0, logprobs=True, top_logprobs=30)
+    assert all(len(e.top_logprobs) == 30 for e in c.choices[0].logprobs.content)
