@@ -104,6 +104,11 @@ def _prompt_only(req: CompletionRequest) -> bool:
     return bool(req.echo) and req.max_tokens == 0
 
 
+def _finish_reason(req: CompletionRequest, reason: Optional[str]) -> Optional[str]:
+    """A prompt-only request ends by length: the token generated to end it is dropped."""
+    return "length" if _prompt_only(req) and reason in ("stop", "length") else reason
+
+
 def _choice_logprobs(ctx: ServerContext, req: CompletionRequest, prompt: "_Prompt", out: RequestOutput,
                      ids, lps, text_offset: int, with_prompt: bool):
     """The logprobs of one choice (or of one streamed chunk of it): with echo, those of the prompt
@@ -148,15 +153,16 @@ def _response(ctx: ServerContext, req: CompletionRequest, request_id: str, promp
     prompt_only = _prompt_only(req)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         prefix = prompt.echo_text(ctx) if req.echo else ""
-        scored = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) \
+        prompt_field = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) \
             if req.prompt_logprobs is not None else None
         for o in out.outputs:
             lp = None
             if req.logprobs is not None:
                 lp, _ = _choice_logprobs(ctx, req, prompt, out, o.token_ids, o.logprobs, len(prefix), True)
-            text, finish = (prefix, "length") if prompt_only else (prefix + o.text, o.finish_reason)
-            choices.append(CompletionChoice(index=i * n + o.index, text=text, logprobs=lp, finish_reason=finish,
-                                            prompt_logprobs=scored))
+            text = prefix if prompt_only else prefix + o.text
+            choices.append(CompletionChoice(index=i * n + o.index, text=text, logprobs=lp,
+                                            finish_reason=_finish_reason(req, o.finish_reason),
+                                            prompt_logprobs=prompt_field))
             completion_tokens += 0 if prompt_only else len(o.token_ids)
     choices.sort(key=lambda c: c.index)
     usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)
@@ -193,8 +199,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
                     lp, p.text_offset = _choice_logprobs(ctx, req, prompts[i], out, ids, lps, p.text_offset,
                                                          not p.started)
                 p.started = True
-                finish = "length" if prompt_only else o.finish_reason
-                choice = CompletionChoice(index=i * n + o.index, text=delta, logprobs=lp, finish_reason=finish)
+                choice = CompletionChoice(index=i * n + o.index, text=delta, logprobs=lp,
+                                          finish_reason=_finish_reason(req, o.finish_reason))
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
                 yield chunk_sse(chunk, include_usage)
         if include_usage:
