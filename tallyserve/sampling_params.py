@@ -235,7 +235,9 @@ class SamplingParams:
     model distribution.
 
     prompt_logprobs: top logprobs to return for every prompt token (0: only the prompt token's
-    own). structured_outputs: a constraint on the output (StructuredOutputsParams).
+    own), in RequestOutput.prompt_logprobs (vLLM's shape); such a request computes its whole prompt
+    (no prefix-cache hit). The engine caps logprobs and prompt_logprobs at its max_logprobs (20 by
+    default). structured_outputs: a constraint on the output (StructuredOutputsParams).
     """
 
     n: int = 1

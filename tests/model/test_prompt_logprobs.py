@@ -274,3 +274,23 @@ def test_host_tier_hit_is_skipped_for_prompt_logprobs_only(tiny):
     assert scored.outputs[0].token_ids == first.outputs[0].token_ids
     ledger_exact_and_no_leak(llm)
     assert llm.engine.scheduler.kv.host.num_pinned == 0
+
+
+def test_speculative_decoding_leaves_prompt_logprobs_alone(tiny):
+    """Draft tokens come after the first token: the prompt is scored as without speculation, and the
+    generated tokens are the same."""
+    path, reference = tiny
+    spec = LLM(model=path, block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    plain = LLM(model=path, block_size=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    # the prompt holds its own greedy continuation: n-gram drafts get proposed from its first token on
+    seen = plain.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0].token_ids
+    prompts = [PROMPTS[0] + seen + PROMPTS[0], PROMPTS[1]]
+    outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
+    want = plain.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for out, ref_out, prompt in zip(outs, want, prompts):
+        check_against_reference(out.prompt_logprobs, prompt, reference(prompt), 2)
+        assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+    s = ledger_exact_and_no_leak(spec)
+    assert s["spec_proposed"] > 0
