@@ -13,6 +13,10 @@ class Logprob:
     decoded_token: Optional[str] = None
 
 
+# vLLM's PromptLogprobs: one entry per prompt token, None for the first (nothing predicts it).
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -37,3 +41,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: the prompt token and the top-k at each prompt position
+    # (the raw model distribution), complete once the request has produced its first token.
+    prompt_logprobs: Optional[PromptLogprobs] = None

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Union
 
 # Temperatures below this are treated as greedy decoding (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
-# Most top logprobs a request may ask for (OpenAI's limit).
+# Most top logprobs a request may ask for by default (OpenAI's limit; the engine's max_logprobs).
 MAX_LOGPROBS = 20
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -235,7 +235,9 @@ class SamplingParams:
     model distribution.
 
     prompt_logprobs: top logprobs to return for every prompt token (0: only the prompt token's
-    own). structured_outputs: a constraint on the output (StructuredOutputsParams).
+    own), in RequestOutput.prompt_logprobs (vLLM's shape); such a request computes its whole prompt
+    (no prefix-cache hit). The engine caps logprobs and prompt_logprobs at its max_logprobs (20 by
+    default). structured_outputs: a constraint on the output (StructuredOutputsParams).
     """
 
     n: int = 1
@@ -282,10 +284,11 @@ class SamplingParams:
             )
         set_(self, "stop", _normalise_stop(self.stop))
         set_(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        # no upper bound here: the engine holds both to its max_logprobs (20 by default, OpenAI's limit)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")

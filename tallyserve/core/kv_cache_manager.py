@@ -124,9 +124,12 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> PrefixHit:
         """The longest reusable prefix of a waiting request. Pure: changes no block state.
 
-        Capped at num_tokens - 1 so the last token is always computed and yields logits.
+        Capped at num_tokens - 1 so the last token is always computed and yields logits. None for a
+        request with prompt_logprobs before its first output token: a cached block holds KV, not the
+        logits of its positions, so every prompt position is computed (its blocks are still published).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (
+                request.sampling_params.prompt_logprobs is not None and request.num_output_tokens == 0):
             return NO_HIT
         self._update_block_hashes(request)
         bs, cache = self.block_size, self.pool.prefix_cache

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 from tallyserve.core.kv_cache_manager import KVTransfers
 
 if TYPE_CHECKING:
+    from tallyserve.request import Request
     from tallyserve.sampling_params import SamplingParams
     from tallyserve.structured_output.bitmask import GrammarBitmask
 
@@ -28,6 +29,9 @@ class ScheduledRequest(NamedTuple):
     num_output_tokens: int  # tokens generated so far (seeds and min_tokens depend on it)
     num_draft_tokens: int = 0  # trailing token_ids that are drafts to verify (sample=True then)
     beam_search: bool = False  # a beam: the runner returns its row's logprobs instead of sampling
+    # prompt_logprobs: the prompt token each leading row scores (row i, at position start_position + i,
+    # predicts the token at start_position + i + 1); empty for requests without prompt_logprobs
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
@@ -41,6 +45,16 @@ class ScheduledRequest(NamedTuple):
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def prompt_logprob_targets(req: "Request", start: int, num_real: int) -> tuple[int, ...]:
+    """The prompt tokens scored by the rows of a chunk of ``num_real`` tokens from ``start``: every
+    row up to the second-to-last prompt position, for a request with prompt_logprobs that has no
+    output token yet (one recomputing its prompt after a preemption scored it already)."""
+    if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+        return ()
+    end = min(start + num_real, req.num_prompt_tokens - 1)
+    return tuple(req.prompt_token_ids[start + 1:end + 1]) if end > start else ()
 
 
 @dataclass(frozen=True)

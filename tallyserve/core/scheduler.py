@@ -19,8 +19,8 @@ from tallyserve.config import CacheConfig, SchedulerConfig, check_prompt_length
 from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPrefillPolicy, PrefillSlots, tokens_left
-from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from tallyserve.core.stats import SchedulerStats
+from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput, prompt_logprob_targets
+from tallyserve.core.stats import SchedulerStats, scheduler_snapshot
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
@@ -221,6 +221,7 @@ class Scheduler:
                     num_output_tokens=req.num_output_tokens,
                     num_draft_tokens=len(drafts),
                     beam_search=req.beam_search,
+                    prompt_logprob_targets=prompt_logprob_targets(req, start, num_real),
                 )
             )
             req.spec_token_ids = []
@@ -435,16 +436,7 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, int]:
         """Read-only counters and gauges for stats(): the caller never touches the pool."""
-        kv, host = self.kv, self.kv.host
-        out: dict[str, int] = self.stats.as_dict()
-        out.update(
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            num_cached_blocks=kv.pool.num_cached_blocks, num_running=self.num_running,
-            num_waiting=self.num_waiting, block_evictions=kv.pool.num_evictions,
-            num_host_blocks=host.num_blocks if host else 0, host_blocks_offloaded=host.num_offloaded if host else 0,
-            host_blocks_restored=self.stats.host_hit_tokens // kv.block_size,
-        )
-        return out
+        return scheduler_snapshot(self.stats, self.kv, self.num_running, self.num_waiting)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._finished_ids.append(req.request_id)

@@ -16,7 +16,8 @@ from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from tallyserve.engine.core import EngineCore, StepResult
-from tallyserve.engine.output_processor import ParentState, SequenceState, make_detokenizer, record_logprobs
+from tallyserve.engine.output_processor import (ParentState, SequenceState, make_detokenizer, record_logprobs,
+                                                record_prompt_logprobs)
 from tallyserve.engine.spec_runner import SpecDecodeRunner
 from tallyserve.executor.abstract import ExecutorDeadError
 from tallyserve.executor.uniproc import UniProcExecutor
@@ -157,11 +158,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.logprobs is not None and params.logprobs > self.config.args.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.config.args.max_logprobs}), got {params.logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
         vocab = self.model_config.vocab_size
+        max_logprobs = min(self.config.args.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs ({max_logprobs}), got {k}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
@@ -182,10 +184,13 @@ class LLMEngine:
         max_model_len = self.config.scheduler_config.max_model_len
         check_prompt_length(len(ids), max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-        parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()})
+        parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()},
+                             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             child_params = params if (i == 0 or params.seed is None) else params.clone(seed=params.seed + i)
+            if i and child_params.prompt_logprobs is not None:  # the children share one prompt: the first scores it
+                child_params = child_params.clone(prompt_logprobs=None)
             req = Request(child_id, ids, child_params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                           priority=priority, arrival_time=arrival_time)
             seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req))
@@ -249,6 +254,15 @@ class LLMEngine:
             return
         for rid, logprobs in result.output.beam_logprobs.items():
             self.beams.record(rid, logprobs)
+        for rid, rows in result.output.prompt_logprobs.items():
+            seq = self._seqs.get(rid)
+            if seq is not None and seq.request is result.scheduled.get(rid):
+                try:
+                    record_prompt_logprobs(self._parents[seq.parent_id], rows, self.tokenizer)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    logger.error("prompt logprobs of request %s failed", rid, exc_info=exc)
+                    self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
+                    touched[seq.parent_id] = self._parents[seq.parent_id]
         for rid, toks in result.output.sampled.items():
             seq = self._seqs.get(rid)
             if seq is not None and seq.request is result.scheduled.get(rid):  # not a new request reusing the id

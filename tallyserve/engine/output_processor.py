@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tallyserve.outputs import CompletionOutput, Logprob, RequestOutput
+from tallyserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tallyserve.request import Request
+from tallyserve.runner.prompt_logprobs import PromptLogprobs as PromptLogprobRows
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -37,6 +38,8 @@ class ParentState:
     children: list[SequenceState] = field(default_factory=list)
     error: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    # params.prompt_logprobs: filled by prompt index as the prefill chunks compute them (the first child's)
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +68,7 @@ class ParentState:
             num_cached_tokens=max(cached, 0),
             error=self.error,
             metrics=dict(self.metrics),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -84,6 +88,26 @@ def record_logprobs(seq: SequenceState, sample: TokenSample, tokenizer: Optional
     if seq.logprobs is None:
         seq.logprobs = []
     seq.logprobs.append(entry)
+
+
+def record_prompt_logprobs(parent: ParentState, rows: PromptLogprobRows, tokenizer: Optional[Tokenizer]) -> None:
+    """Store one step's prompt logprob rows at their prompt indices. A prompt index computed again
+    (a request preempted before its first token recomputes its prompt) is overwritten, never
+    appended, so no entry is duplicated or lost."""
+    if parent.prompt_logprobs is None:
+        parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
+    pieces: dict[int, Optional[str]] = {}
+
+    def piece(tid: int) -> Optional[str]:
+        if tid not in pieces:
+            pieces[tid] = _piece(tokenizer, tid)
+        return pieces[tid]
+
+    for i, tid in enumerate(rows.token_ids):
+        entry = {tid: Logprob(rows.logprobs[i], rows.ranks[i], piece(tid))}
+        for rank, (other, lp) in enumerate(zip(rows.top_ids[i], rows.top_logprobs[i]), start=1):
+            entry.setdefault(other, Logprob(lp, rank, piece(other)))
+        parent.prompt_logprobs[rows.first_index + i] = entry
 
 
 def _piece(tokenizer: Optional[Tokenizer], token_id: int) -> Optional[str]:

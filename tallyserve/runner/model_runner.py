@@ -17,6 +17,7 @@ from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
+from tallyserve.runner.prompt_logprobs import compute_prompt_logprobs
 from tallyserve.runner.rejection_sampler import verify_drafts
 from tallyserve.runner.sampler import Sampler, host_tensor
 from tallyserve.structured_output.bitmask import apply_grammar_bitmask
@@ -208,6 +209,11 @@ class ModelRunner:
         tensor-parallel ranks other than 0, which only help compute them).
         ``prev_token_ids``: the in-flight step's sampled tokens, for the batch's placeholder rows
         (copied device to device, so this step is queued without waiting for that one)."""
+        return self._logits(batch, self._forward(batch, prev_token_ids))
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The model's hidden states of every row of the batch."""
         if batch.fill_rows is not None:
             if prev_token_ids is None:
                 raise ValueError("the batch has placeholder rows but no previous step's tokens")
@@ -216,6 +222,10 @@ class ModelRunner:
             hidden = self.graph_runner.run(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
+        return hidden
+
+    @torch.inference_mode()
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
@@ -230,10 +240,17 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
         """Forward and sampling of a prepared step, queued on the device (nothing waits for it)."""
-        logits = self.execute(batch, prev.token_ids if prev is not None else None)
+        hidden = self._forward(batch, prev.token_ids if prev is not None else None)
+        logits = self._logits(batch, hidden)
+        # rows with prompt_logprobs: their logits too, in slices (runner/prompt_logprobs.py); every TP rank
+        prompt_lp = compute_prompt_logprobs(self.model.compute_logits, hidden, so.requests,
+                                            batch.attn_meta.query_start_loc_cpu, self.model_config.vocab_size)
+        del hidden
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return AsyncModelRunnerOutput(batch.num_tokens)
-        return self.sample(so, logits, batch.num_tokens, draft_probs or {})
+        step = self.sample(so, logits, batch.num_tokens, draft_probs or {})
+        step.prompt_logprobs = prompt_lp
+        return step
 
     def _generator(self, e: ScheduledRequest) -> Optional[torch.Generator]:
         seed = e.sampling_params.seed

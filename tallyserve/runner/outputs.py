@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from tallyserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.runner.sampler import PendingSamplerOutput
 
@@ -16,10 +17,12 @@ from tallyserve.runner.sampler import PendingSamplerOutput
 class ModelRunnerOutput:
     """One step's results on the host. `sampled`: per request that sampled, the tokens it keeps
     (one, or accepted drafts plus one), with logprobs. `beam_logprobs`: per beam-search row, the
-    log-softmax of its logits over the vocabulary (beam selection happens in the engine)."""
+    log-softmax of its logits over the vocabulary (beam selection happens in the engine).
+    `prompt_logprobs`: per request with prompt_logprobs rows in the step, their logprobs."""
 
     sampled: dict[str, list[TokenSample]] = field(default_factory=dict)
     beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     def token_ids(self) -> dict[str, list[int]]:
         return {rid: [t.token_id for t in toks] for rid, toks in self.sampled.items()}
@@ -35,6 +38,7 @@ class AsyncModelRunnerOutput:
     token_ids: Optional[torch.Tensor] = None  # device tensor of the plain rows' tokens
     token_index: dict[str, int] = field(default_factory=dict)  # request id -> row of token_ids
     pending: Optional[PendingSamplerOutput] = None
+    prompt_logprobs: Optional[PendingPromptLogprobs] = None
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the device, then the host view of every sampled row."""
@@ -43,4 +47,5 @@ class AsyncModelRunnerOutput:
             host = self.pending.result()
             for rid, i in self.token_index.items():
                 out[rid] = [TokenSample(host.token_ids[i], host.logprobs[i], host.top_logprobs[i])]
-        return ModelRunnerOutput(out, self.beam_logprobs)
+        prompt = self.prompt_logprobs.result() if self.prompt_logprobs is not None else {}
+        return ModelRunnerOutput(out, self.beam_logprobs, prompt)

@@ -127,7 +127,8 @@ _SHARED: dict[str, FieldInfo] = {
     "structured_outputs": _h("json, regex, choice, grammar, json_object or structural_tag (one of them)"),
     # vLLM extras tallyserve does not implement
     "spaces_between_special_tokens": _u("detokenization takes no such option (true, the default, is accepted)", True),
-    "prompt_logprobs": _u("prompt logprobs are not computed"),
+    "prompt_logprobs": _h("logprobs of every prompt token plus this many top alternatives (at most max_logprobs; "
+                          "not with stream or use_beam_search)"),
     "priority": _u("there is no priority scheduling", 0),
     "request_id": _u("tallyserve assigns its own request ids (responses would not carry yours)"),
     "logits_processors": _u("custom logits processors are not supported", []),
@@ -143,8 +144,8 @@ _SHARED: dict[str, FieldInfo] = {
 COMPLETION_FIELDS: dict[str, FieldInfo] = {
     **_SHARED,
     "prompt": _h("a string, strings, token ids or lists of token ids"),
-    "echo": _h("prepend the prompt (not with logprobs: prompt logprobs are not computed)"),
-    "logprobs": _h("top logprobs per output token (at most max_logprobs)"),
+    "echo": _h("prepend the prompt; with logprobs, its tokens' logprobs too; with max_tokens 0, only the prompt"),
+    "logprobs": _h("top logprobs per output token, and per prompt token with echo (at most max_logprobs)"),
     "add_special_tokens": _h("encode text prompts with special tokens (default true)"),
     "suffix": _u("insertion (suffix) is not implemented", ""),
     "prompt_embeds": _u("prompt embeddings are not accepted; send text or token ids"),
@@ -156,7 +157,7 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "messages": _h("through the model's chat template"),
     "max_completion_tokens": _h("output length limit (takes precedence over max_tokens)"),
     "logprobs": _h("logprobs of the output tokens"),
-    "top_logprobs": _h("alternatives per token (needs logprobs, at most 20)"),
+    "top_logprobs": _h("alternatives per token (needs logprobs, at most max_logprobs: 20 unless --max-logprobs)"),
     "add_generation_prompt": _h("passed to the chat template"),
     "continue_final_message": _h("the last message is left open and continued (not with add_generation_prompt)"),
     "chat_template": _h("a Jinja template replacing the model's (rendered sandboxed; a failure is a 400)"),

@@ -109,6 +109,8 @@ class SamplingFields(_Request):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    # vLLM's: the logprobs of the prompt tokens plus this many top alternatives (not with stream)
+    prompt_logprobs: Optional[int] = None
 
     @property
     def include_usage(self) -> bool:
@@ -190,11 +192,24 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob as it serializes: one token of one prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, null for the first; token id -> PromptLogprob
+PromptLogprobsField = Optional[list[Optional[dict[int, PromptLogprob]]]]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, with the request's prompt_logprobs
 
 
 class CompletionResponse(_Response):
@@ -268,6 +283,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, with the request's prompt_logprobs
 
 
 class _Sparse(_Response):

