@@ -153,7 +153,9 @@ class BeamGroup:
         """Hugging Face's default (early_stopping=False) test: can the best running beam still win?"""
         if len(self.finished) < self.params.beam_width:
             return False
-        best_running = max(s for _, _, s in chosen) / (self.num_generated ** self.params.length_penalty)
+        # the chosen candidates already hold this step's token: num_generated + 1 tokens (as Hugging
+        # Face's cur_len + 1); num_generated alone is 0 on the first step, and 0 ** -lp divides by zero
+        best_running = max(s for _, _, s in chosen) / ((self.num_generated + 1) ** self.params.length_penalty)
         if best_running > min(h[0] for h in self.finished):
             return False
         self.heuristic_open = False

@@ -141,3 +141,24 @@ def test_a_failed_step_with_two_beams_of_a_group_fails_the_group_once(tiny):
     assert out.sequences == [] and "device fault" in out.error
     s = llm.stats()
     assert s["step_errors"] == 1 and s["num_free_blocks"] == s["num_total_blocks"]
+
+
+@pytest.mark.parametrize("lp", [-1.0, 0.5])
+def test_eos_on_the_first_step_with_any_length_penalty(tmp_path, lp):
+    """An EOS candidate on a group's first step runs the stop heuristic with one generated token
+    (num_generated + 1, as Hugging Face's cur_len + 1): with lp < 0 it used to compute 0 ** lp and
+    fail the group with ZeroDivisionError. The result still equals transformers."""
+    prompt = [5, 9, 13]
+    base = make_tiny_model(tmp_path / "base", "llama", seed=3)
+    eos = load_hf_model(base)(torch.tensor([prompt])).logits[0, -1].topk(2).indices.tolist()
+    path = make_tiny_model(tmp_path / "eos", "llama", seed=3, eos_token_id=eos)  # same weights
+    llm = LLM(model=path, block_size=4)
+    assert sorted(llm.engine.eos_token_ids) == sorted(eos)  # two hypotheses end on the first step
+    out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=5,
+                                                                         length_penalty=lp))[0]
+    refs = _hf_beams(load_hf_model(path), prompt, 2, 5, lp, eos)
+    assert len(out.sequences) == 2
+    for seq, ref in zip(out.sequences, refs):
+        gen = seq.tokens[len(prompt):]
+        assert ref[: len(gen)] == gen and all(t == eos[0] for t in ref[len(gen):]), (gen, ref)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
