@@ -7,7 +7,7 @@ mutates a Request. Results return through `Scheduler.update(...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from tallyserve.core.kv_cache_manager import KVTransfers
 
@@ -42,6 +42,19 @@ class ScheduledRequest(NamedTuple):
         return len(self.token_ids)
 
 
+class RemoteKVLoad(NamedTuple):
+    """A remote prefix hit committed this step (disaggregated serving): the request's blocks
+    ``block_ids`` are allocated and will receive ``num_tokens`` tokens of KV (positions from
+    ``start_position``) from the producer's blocks ``remote_block_ids``. No token is charged."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    start_position: int
+    num_tokens: int
+    params: dict  # the request's kv_transfer_params (remote engine, address, request id)
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     step_id: int
@@ -56,6 +69,10 @@ class SchedulerOutput:
     # Requests that finished since the previous step: the runner drops their per-request state
     # (seeded generators) before this step's rows, so a reused id starts fresh.
     finished_request_ids: tuple[str, ...] = ()
+    # Disaggregated serving: the remote loads committed in this step (and only those), and what
+    # the KV connector built from this very output for its workers (vLLM's name).
+    kv_loads: tuple[RemoteKVLoad, ...] = ()
+    kv_connector_metadata: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:

@@ -20,14 +20,15 @@ from tallyserve.core import ledger
 from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPrefillPolicy, PrefillSlots, tokens_left
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from tallyserve.core.stats import SchedulerStats
+from tallyserve.core.stats import SchedulerStats, scheduler_snapshot
+from tallyserve.distributed.kv_transfer.scheduling import RemoteKVScheduling
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_connector=None) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(
             cache_config.num_blocks,
@@ -51,6 +52,8 @@ class Scheduler:
         # most one request is mid-prefill anyway).
         cfg = scheduler_config
         self.prefills = PartialPrefillPolicy(cfg)
+        # Disaggregated serving: remote KV loads and producer holds (distributed/kv_transfer/scheduling.py).
+        self.kv_xfer = RemoteKVScheduling(kv_connector, self) if kv_connector is not None else None
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -62,7 +65,7 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_xfer is not None and self.kv_xfer.has_pending())
 
     @property
     def num_running(self) -> int:
@@ -82,6 +85,8 @@ class Scheduler:
         still held, so nothing is admitted that the pool cannot hold. Not for drafts or forks.
         """
         budget = self.config.max_num_batched_tokens
+        if self.kv_xfer is not None:  # a producer frees blocks no consumer claimed in time
+            self.kv_xfer.expire_holds()
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         budget = self._schedule_running(budget, scheduled, preempted)
@@ -128,6 +133,12 @@ class Scheduler:
         idx = 0  # stays 0 unless a long prefill is skipped for lack of a long slot (vLLM's queue jumping)
         while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[idx]
+            taken = self.kv_xfer.admit_waiting(idx, budget, scheduled) if self.kv_xfer is not None else None
+            if taken is not None:  # a remote prefix hit: loading (0 tokens), loaded (charged) or must wait (-1)
+                if taken < 0:
+                    break
+                budget -= taken
+                continue
             hit = self.kv.match_prefix(req)
             if pending and self._prefix_pending(req, hit, pending):
                 self.stats.deferred_admissions += 1
@@ -156,6 +167,8 @@ class Scheduler:
             budget -= n
             if pending is not None:
                 pending.update(self.kv.uncached_block_hashes(req, hit.num_tokens + n))
+        if self.kv_xfer is not None and not scheduled and not self.running:
+            self.kv_xfer.release_ready()  # loaded KV must not hold the pool while nothing can run
 
     def _pending_block_hashes(self, scheduled: dict[str, int]) -> Optional[set[int]]:
         """Hashes of full blocks whose KV is scheduled (this step or in flight) but not cached yet."""
@@ -239,7 +252,7 @@ class Scheduler:
             self.stats.async_steps += async_scheduling
             if async_scheduling:
                 self._in_flight[self._step_id] = tuple(reqs)
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step_id=self._step_id,
             requests=tuple(entries),
             total_tokens=total,
@@ -248,7 +261,9 @@ class Scheduler:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             async_scheduled=async_scheduling,
             finished_request_ids=self._take_finished_ids() if entries else (),
+            kv_loads=self.kv_xfer.take_step_loads() if self.kv_xfer is not None else (),
         )
+        return so if self.kv_xfer is None else self.kv_xfer.attach_metadata(so)
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -434,16 +449,7 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, int]:
         """Read-only counters and gauges for stats(): the caller never touches the pool."""
-        kv, host = self.kv, self.kv.host
-        out: dict[str, int] = self.stats.as_dict()
-        out.update(
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            num_cached_blocks=kv.pool.num_cached_blocks, num_running=self.num_running,
-            num_waiting=self.num_waiting, block_evictions=kv.pool.num_evictions,
-            num_host_blocks=host.num_blocks if host else 0, host_blocks_offloaded=host.num_offloaded if host else 0,
-            host_blocks_restored=self.stats.host_hit_tokens // kv.block_size,
-        )
-        return out
+        return scheduler_snapshot(self)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._finished_ids.append(req.request_id)
@@ -452,5 +458,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if self.kv_xfer is None or not self.kv_xfer.on_finish(req):  # a running load / a producer hold keeps them
+            self.kv.free(req)
         del self.requests[req.request_id]
