@@ -37,3 +37,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: Optional[dict] = None  # disaggregated serving: what a consumer needs (vLLM's name)

@@ -92,6 +92,7 @@ class Request:
         # Disaggregated serving (vLLM's name): do_remote_prefill (load this prompt's KV from the
         # producer named here) or do_remote_decode (hold the KV for a consumer to pull).
         self.kv_transfer_params: Optional[dict] = None
+        self.kv_transfer_output: Optional[dict] = None  # a producer's params for the consumer, once finished
 
     @property
     def num_tokens(self) -> int:

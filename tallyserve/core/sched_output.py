@@ -72,6 +72,7 @@ class SchedulerOutput:
     # Disaggregated serving: the remote loads committed in this step (and only those), and what
     # the KV connector built from this very output for its workers (vLLM's name).
     kv_loads: tuple[RemoteKVLoad, ...] = ()
+    kv_releases: tuple[dict, ...] = ()  # remote KV this step chose not to load: its producer may free it
     kv_connector_metadata: Optional[Any] = None
 
     @property

@@ -262,6 +262,7 @@ class Scheduler:
             async_scheduled=async_scheduling,
             finished_request_ids=self._take_finished_ids() if entries else (),
             kv_loads=self.kv_xfer.take_step_loads() if self.kv_xfer is not None else (),
+            kv_releases=self.kv_xfer.take_step_releases() if self.kv_xfer is not None else (),
         )
         return so if self.kv_xfer is None else self.kv_xfer.attach_metadata(so)
 

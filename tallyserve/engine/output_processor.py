@@ -65,6 +65,7 @@ class ParentState:
             num_cached_tokens=max(cached, 0),
             error=self.error,
             metrics=dict(self.metrics),
+            kv_transfer_params=self.children[0].request.kv_transfer_output if self.children else None,
         )
 
 

@@ -101,6 +101,8 @@ class SamplingFields(_Request):
     bad_words: Optional[list[str]] = None
     # keep only the last N prompt tokens (left truncation); -1: max_model_len
     truncate_prompt_tokens: Optional[int] = None
+    # disaggregated serving (vLLM's name): {"do_remote_decode": true} to a producer, its answer to a consumer
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @property
     def include_usage(self) -> bool:

@@ -29,9 +29,10 @@ class KVConnectorMetadata:
     """What the workers do this step: exactly the loads the step's SchedulerOutput committed."""
 
     loads: tuple["RemoteKVLoad", ...] = ()
+    releases: tuple[dict, ...] = ()  # params of remote KV not needed after all: tell its producer
 
     def __bool__(self) -> bool:
-        return bool(self.loads)
+        return bool(self.loads or self.releases)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class KVConnectorBase:
         the load is listed in the SchedulerOutput, which is all ``build_connector_meta`` reads)."""
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return KVConnectorMetadata(loads=scheduler_output.kv_loads)
+        return KVConnectorMetadata(loads=scheduler_output.kv_loads, releases=scheduler_output.kv_releases)
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:
         """A producer request that ended normally keeps its blocks for the consumer: (True, the
@@ -147,7 +148,8 @@ class KVConnectorBase:
             return False, None
         if request.status.finish_reason not in ("stop", "length") or not block_ids:
             return False, None
-        return True, {
+        hold = request.num_prompt_tokens > 1  # a one-token prompt has no KV for a consumer to pull
+        return hold, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids), "remote_host": self.remote_host, "remote_port": self.remote_port,

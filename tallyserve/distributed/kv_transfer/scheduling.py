@@ -68,6 +68,7 @@ class RemoteKVScheduling:
         self._orphans: dict[str, Request] = {}  # ended while their load runs: blocks freed when it reports
         self._held: dict[str, tuple[Request, float]] = {}  # producer: blocks pinned for a consumer
         self._step_loads: list[RemoteKVLoad] = []
+        self._step_releases: list[dict] = []
 
     # ----------------------------------------------------------------- admission
     def admit_waiting(self, idx: int, budget: int, scheduled: dict[str, int]) -> Optional[int]:
@@ -123,7 +124,10 @@ class RemoteKVScheduling:
             return REMOTE_NONE
         hit = self.kv.match_prefix(req).without_partial()  # whole blocks: the load fills the rest
         ext = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
-        if ext <= 0:
+        if ext <= 0:  # the local cache has it all: the producer may let go now
+            self._local.add(rid)
+            self._remember_done(key)
+            self._step_releases.append(dict(params))
             return REMOTE_NONE
         if not self.kv.allocate_slots(req, ext, hit):
             return REMOTE_WAIT
@@ -164,6 +168,10 @@ class RemoteKVScheduling:
 
         return dataclasses.replace(so, kv_connector_metadata=self.connector.build_connector_meta(so))
 
+    def take_step_releases(self) -> tuple[dict, ...]:
+        releases, self._step_releases = tuple(self._step_releases), []
+        return releases
+
     def take_step_loads(self) -> tuple[RemoteKVLoad, ...]:
         """The loads committed in this step that still stand (a request ended in the same step is
         not listed: its blocks were already freed and no worker is ever asked for it)."""
@@ -189,7 +197,7 @@ class RemoteKVScheduling:
             return True
         if req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"):
             hold, params = self.connector.request_finished(req, self.kv.block_ids(rid))
-            req.kv_transfer_params = params
+            req.kv_transfer_output = params
             if hold:
                 self._held[rid] = (req, time.monotonic() + self.connector.config.hold_timeout_s)
                 return True
