@@ -86,7 +86,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_generate_parser]
 
 
 def _load_optional_subcommands() -> None:
-    for mod in ("tallyserve.server.cli", "tallyserve.bench.cli", "tallyserve.sim.cli", "tallyserve.profile"):
+    for mod in ("tallyserve.server.cli", "tallyserve.server.proxy", "tallyserve.bench.cli", "tallyserve.sim.cli", "tallyserve.profile"):
         try:
             __import__(mod)
         except ImportError:

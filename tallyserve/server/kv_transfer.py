@@ -1,6 +1,6 @@
 """Disaggregated serving on the HTTP side: request kv_transfer_params (vLLM's name) checked into
 400s, the producer's params added to its response, and the route consumers fetch NIXL agent
-metadata from (GET /v1/kv_transfer/metadata?rank=R)."""
+metadata from (GET /kv_transfer/metadata?rank=R)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def add_to_body(body: dict, outs: list[RequestOutput]) -> dict:
 
 
 def add_routes(app: FastAPI, ctx) -> None:
-    @app.get("/v1/kv_transfer/metadata")
+    @app.get("/kv_transfer/metadata")
     async def kv_transfer_metadata(rank: int = 0) -> JSONResponse:
         engine = _llm_engine(ctx)
         executor = getattr(engine, "executor", None)

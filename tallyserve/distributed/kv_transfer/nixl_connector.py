@@ -8,7 +8,7 @@ request id as its notification: the producer learns the pull finished and frees 
 With tensor parallelism every rank holds its own heads and reads the same rank of the producer.
 
 Agent metadata (the NIXL blob plus the cache layout) travels over HTTP: the producer's server
-answers ``GET /v1/kv_transfer/metadata?rank=R``; a consumer fetches it once per remote engine, in
+answers ``GET /kv_transfer/metadata?rank=R``; a consumer fetches it once per remote engine, in
 a background thread, so an unreachable producer never stalls the step loop.
 """
 
@@ -28,7 +28,7 @@ from tallyserve.distributed.kv_transfer.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
-METADATA_PATH = "/v1/kv_transfer/metadata"
+METADATA_PATH = "/kv_transfer/metadata"
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
