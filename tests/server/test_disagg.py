@@ -122,39 +122,34 @@ def test_bad_params_are_400(cluster):
         assert r.json()["error"]["param"] == "kv_transfer_params"
 
 
-def test_dead_producer_recomputes(tiny_model_dir, server_logs, offline):
-    """Kill the producer after it answered: the consumer's pull fails (unknown engine / transfer
-    error) and it computes the prompt itself; then the proxy's /health turns 503 and requests still
-    succeed on the decode side alone."""
-    common = ("--served-model-name", MODEL, "--api-key", API_KEY, *BUDGET)
-    prefill = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_producer", "prefill-dead"))
-    decode = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_consumer", "decode-1"))
-    proxy = Proxy(prefill.base_url, decode.base_url)
-    try:
-        prompt = list(range(40, 70))
-        ref = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=5, temperature=0.0,
-                                                                               ignore_eos=True))[0].outputs[0].text
-        auth = {"Authorization": f"Bearer {API_KEY}"}
-        pre = httpx.post(prefill.base_url + "/v1/completions", headers=auth, timeout=30,
-                         json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
-                               "kv_transfer_params": {"do_remote_decode": True}}).json()
-        params = pre["kv_transfer_params"]
-        prefill.proc.kill()
-        prefill.proc.wait(10)
-        r = httpx.post(decode.base_url + "/v1/completions", headers=auth, timeout=60,
-                       json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True,
-                             "temperature": 0.0, "kv_transfer_params": params})
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
-        assert metrics(decode.base_url)["tallyserve_kv_connector_load_failures_total"] >= 1
-        deadline = time.monotonic() + 10
-        while httpx.get(proxy.base_url + "/health").status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert httpx.get(proxy.base_url + "/health").status_code == 503
-        r = _client(proxy.base_url).completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
-                                                       extra_body={"ignore_eos": True})
-        assert r.choices[0].text == ref
-        _exact_and_clean(decode.base_url)
-    finally:
-        proxy.stop()
-        decode.stop()
-        prefill.stop()
+def test_dead_producer_recomputes(cluster, offline):
+    """Last test of the module: kill the producer after it answered. The consumer's pull fails
+    (unreachable engine or transfer error) and it computes the prompt itself; the proxy's /health
+    turns 503 and requests through it still succeed on the decode side alone."""
+    prefill, decode, proxy = cluster
+    prompt = list(range(40, 70))
+    ref = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=5, temperature=0.0,
+                                                                           ignore_eos=True))[0].outputs[0].text
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    pre = httpx.post(prefill.base_url + "/v1/completions", headers=auth, timeout=30,
+                     json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                           "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = pre["kv_transfer_params"]
+    failures = metrics(decode.base_url)["tallyserve_kv_connector_load_failures_total"]
+    prefill.proc.kill()
+    prefill.proc.wait(10)
+    r = httpx.post(decode.base_url + "/v1/completions", headers=auth, timeout=60,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True,
+                         "temperature": 0.0, "kv_transfer_params": params})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref
+    assert metrics(decode.base_url)["tallyserve_kv_connector_load_failures_total"] == failures + 1
+    deadline = time.monotonic() + 10
+    while httpx.get(proxy.base_url + "/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(proxy.base_url + "/health").status_code == 503
+    r = _client(proxy.base_url).completions.create(model=MODEL, prompt=prompt[::-1], max_tokens=5, temperature=0.0,
+                                                   extra_body={"ignore_eos": True})
+    want = offline.generate([{"prompt_token_ids": prompt[::-1]}],
+                            SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    assert r.choices[0].text == want
+    _exact_and_clean(decode.base_url)

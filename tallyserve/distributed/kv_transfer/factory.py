@@ -23,8 +23,9 @@ def check_request_params(connector: Optional[KVConnectorBase], params: Any, num_
                          n: int) -> Optional[dict]:
     """A request's kv_transfer_params, validated against this engine (KVTransferParamsError, a
     ValueError, names what is wrong: the server answers 400)."""
-    if params is None:
-        return None
+    if params is None or (isinstance(params, dict) and not params.get("do_remote_prefill")
+                          and not params.get("do_remote_decode")):
+        return None  # nothing to transfer ({} or both flags false): any engine accepts it
     if connector is None:
         raise KVTransferParamsError("kv_transfer_params need an engine started with kv_transfer_config")
     checked = check_kv_transfer_params(params, num_prompt_tokens, connector.block_size)
