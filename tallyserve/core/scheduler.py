@@ -52,8 +52,7 @@ class Scheduler:
         # most one request is mid-prefill anyway).
         cfg = scheduler_config
         self.prefills = PartialPrefillPolicy(cfg)
-        # Disaggregated serving: remote KV loads and producer holds (distributed/kv_transfer/scheduling.py).
-        self.kv_xfer = RemoteKVScheduling(kv_connector, self) if kv_connector is not None else None
+        self.kv_xfer = RemoteKVScheduling(kv_connector, self) if kv_connector is not None else None  # disagg
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -85,8 +84,6 @@ class Scheduler:
         still held, so nothing is admitted that the pool cannot hold. Not for drafts or forks.
         """
         budget = self.config.max_num_batched_tokens
-        if self.kv_xfer is not None:  # a producer frees blocks no consumer claimed in time
-            self.kv_xfer.expire_holds()
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         budget = self._schedule_running(budget, scheduled, preempted)
@@ -167,8 +164,6 @@ class Scheduler:
             budget -= n
             if pending is not None:
                 pending.update(self.kv.uncached_block_hashes(req, hit.num_tokens + n))
-        if self.kv_xfer is not None and not scheduled and not self.running:
-            self.kv_xfer.release_ready()  # loaded KV must not hold the pool while nothing can run
 
     def _pending_block_hashes(self, scheduled: dict[str, int]) -> Optional[set[int]]:
         """Hashes of full blocks whose KV is scheduled (this step or in flight) but not cached yet."""
@@ -261,10 +256,8 @@ class Scheduler:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             async_scheduled=async_scheduling,
             finished_request_ids=self._take_finished_ids() if entries else (),
-            kv_loads=self.kv_xfer.take_step_loads() if self.kv_xfer is not None else (),
-            kv_releases=self.kv_xfer.take_step_releases() if self.kv_xfer is not None else (),
         )
-        return so if self.kv_xfer is None else self.kv_xfer.attach_metadata(so)
+        return so if self.kv_xfer is None else self.kv_xfer.finish_output(so)  # + the step's remote loads
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -448,8 +441,7 @@ class Scheduler:
         self.kv.release_step()
         self.kv.check_integrity()
 
-    def snapshot(self) -> dict[str, int]:
-        """Read-only counters and gauges for stats(): the caller never touches the pool."""
+    def snapshot(self) -> dict[str, int]:  # read-only counters and gauges for stats() (core/stats.py)
         return scheduler_snapshot(self)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -162,10 +162,17 @@ class RemoteKVScheduling:
             req.num_computed_tokens = 0
             self.stats.loaded_dropped += 1
 
-    def attach_metadata(self, so: SchedulerOutput) -> SchedulerOutput:
-        """The step's final output gains the connector metadata built from it, and only from it."""
+    def finish_output(self, so: SchedulerOutput) -> SchedulerOutput:
+        """The end of ``schedule()``: the step's output gains the loads it committed (those still
+        standing) and the releases it decided, then the connector metadata built from that final
+        frozen output and nothing else. Also: a producer frees holds past their timeout, and when
+        nothing runs, loaded requests blocked behind another give their blocks back."""
         import dataclasses
 
+        self.expire_holds()
+        if not so.requests and not self.sched.running:
+            self.release_ready()
+        so = dataclasses.replace(so, kv_loads=self.take_step_loads(), kv_releases=self.take_step_releases())
         return dataclasses.replace(so, kv_connector_metadata=self.connector.build_connector_meta(so))
 
     def take_step_releases(self) -> tuple[dict, ...]:
