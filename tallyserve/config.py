@@ -151,9 +151,6 @@ class EngineArgs:
         from tallyserve.distributed.kv_transfer.config import KVTransferConfig
 
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
-        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not supported yet "
-                             "(the per-rank NIXL transfer runs in one process only)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:

@@ -71,6 +71,10 @@ class Executor(ABC):
             out.failed_recving[load.request_id] = "this executor has no KV connector"
         return out
 
+    def kv_transfer_metadata(self, rank: int) -> Optional[dict]:
+        """The NIXL metadata of tensor-parallel rank ``rank`` (what consumers fetch), or None."""
+        return None
+
     def flush_transfers(self) -> None:
         """Run KV moves queued by a step that launched nothing (no-op where they ran at once)."""
 

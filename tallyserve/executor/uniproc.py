@@ -54,6 +54,10 @@ class UniProcExecutor(Executor):
             self.kv_connector.start_load_kv(metadata)
         return self.kv_connector.get_finished()
 
+    def kv_transfer_metadata(self, rank: int):
+        conn = self.kv_connector
+        return conn.metadata() if conn is not None and hasattr(conn, "metadata") and rank == 0 else None
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

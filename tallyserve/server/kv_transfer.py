@@ -51,11 +51,9 @@ def add_to_body(body: dict, outs: list[RequestOutput]) -> dict:
 def add_routes(app: FastAPI, ctx) -> None:
     @app.get("/kv_transfer/metadata")
     async def kv_transfer_metadata(rank: int = 0) -> JSONResponse:
-        engine = _llm_engine(ctx)
-        executor = getattr(engine, "executor", None)
-        connector = getattr(executor, "kv_connector", None)
-        if connector is None or not hasattr(connector, "metadata"):
-            raise APIError(404, "this server has no NIXL KV connector", "not_found_error", None, None)
-        if rank != connector.tp_rank:
-            raise APIError(404, f"no tensor-parallel rank {rank} here", "not_found_error", "rank", None)
-        return JSONResponse(connector.metadata())
+        executor = getattr(_llm_engine(ctx), "executor", None)
+        meta = executor.kv_transfer_metadata(rank) if executor is not None else None
+        if meta is None:
+            raise APIError(404, f"no NIXL KV connector for tensor-parallel rank {rank} here", "not_found_error",
+                           "rank", None)
+        return JSONResponse(meta)

@@ -144,3 +144,56 @@ def test_bad_params_are_value_errors(engines):
     with pytest.raises(ValueError, match="kv_producer"):
         cons.add_request("bad", {"prompt_token_ids": [5, 6]}, greedy, kv_transfer_params={"do_remote_decode": True})
     assert not cons.has_unfinished_requests()
+
+
+def test_tensor_parallel_ranks_pull_their_own_heads(model_dir):
+    """Producer and consumer at tensor_parallel_size=2: each rank reads its own heads from the
+    producer's same rank (metadata over HTTP, as between servers), and the tokens equal a colocated
+    engine's; the producer frees its blocks once both ranks' pulls are confirmed."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlparse
+
+    def tp(role, eid):
+        return LLMEngine(EngineArgs(model=model_dir, block_size=4, num_gpu_blocks_override=64, max_model_len=128,
+                                    tensor_parallel_size=2, kv_transfer_config={
+                                        "kv_connector": "NixlConnector", "kv_role": role, "engine_id": eid}))
+
+    prod = tp("kv_producer", "tp-prod")
+    cons = tp("kv_consumer", "tp-cons")
+
+    class Meta(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            rank = int(parse_qs(urlparse(self.path).query)["rank"][0])
+            body = json.dumps(prod.executor.kv_transfer_metadata(rank)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Meta)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prod.kv_connector.advertise("127.0.0.1", server.server_address[1])
+    try:
+        plain = _engine(model_dir)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(_prompts()[:4]):
+            pre = _prefill(prod, f"tp{i}", prompt)
+            cons.add_request(f"tpd{i}", {"prompt_token_ids": prompt}, greedy, kv_transfer_params=pre.kv_transfer_params)
+            plain.add_request(f"tpc{i}", {"prompt_token_ids": prompt}, greedy)
+            got, want = _drain(cons)[f"tpd{i}"], _drain(plain)[f"tpc{i}"]
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            _drain(prod)
+        st = cons.scheduler.kv_xfer.stats
+        assert st.loads_finished == 4 and st.load_failures == 0
+        assert prod.scheduler.kv_xfer.stats.sends_finished == 4
+        assert _free_or_cached(prod) and _free_or_cached(cons)
+        plain.shutdown()
+    finally:
+        server.shutdown()
+        prod.shutdown()
+        cons.shutdown()

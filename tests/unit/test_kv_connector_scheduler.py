@@ -208,3 +208,18 @@ def test_kv_transfer_config_names_the_bad_key():
                       ('{"load_timeout_s": -1}', "load_timeout_s"), ('{"colour": 1}', "colour"), ("{", "JSON")):
         with pytest.raises(ValueError, match=name):
             KVTransferConfig.parse(bad)
+
+
+def test_rank_reports_wait_for_every_rank():
+    """With tensor parallelism a load is done only when every rank's share is; a rank's failure is
+    reported only once the other rank stopped writing too (no block freed under a running READ)."""
+    from tallyserve.distributed.kv_transfer.base import RankReports
+
+    rr = RankReports(2)
+    out = rr.merge([KVConnectorOutput(finished_recving={"a"}, failed_recving={"b": "rank 0 lost it"}),
+                    KVConnectorOutput(finished_sending={"s"})])
+    assert not out.finished_recving and not out.failed_recving and not out.finished_sending
+    out = rr.merge([KVConnectorOutput(finished_sending={"s"}), KVConnectorOutput(finished_recving={"a", "b"})])
+    assert out.finished_recving == {"a"} and out.failed_recving == {"b": "rank 0 lost it"}
+    assert out.finished_sending == {"s"}
+    assert rr.merge([KVConnectorOutput(), KVConnectorOutput()]).finished_recving == set()

@@ -56,6 +56,42 @@ class KVConnectorOutput:
         self.load_seconds += other.load_seconds
 
 
+class RankReports:
+    """Merges the tensor-parallel ranks' reports: a request id is reported once every rank has
+    reported it (failed if any rank failed), never earlier."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._recv: dict[str, list] = {}  # rid -> [ranks reported, failure reason or None, unknown]
+        self._send: dict[str, int] = {}
+
+    def merge(self, outs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        merged = KVConnectorOutput()
+        for out in outs:
+            merged.bytes_received += out.bytes_received
+            merged.load_seconds = max(merged.load_seconds, out.load_seconds)
+            for rid in out.finished_recving | set(out.failed_recving):
+                entry = self._recv.setdefault(rid, [0, None, False])
+                entry[0] += 1
+                if rid in out.failed_recving:
+                    entry[1] = entry[1] or out.failed_recving[rid]
+                    entry[2] = entry[2] or rid in out.unknown_engine
+            for rid in out.finished_sending:
+                self._send[rid] = self._send.get(rid, 0) + 1
+        for rid in [r for r, e in self._recv.items() if e[0] >= self.world]:
+            count, why, unknown = self._recv.pop(rid)
+            if why is None:
+                merged.finished_recving.add(rid)
+            else:
+                merged.failed_recving[rid] = why
+                if unknown:
+                    merged.unknown_engine.add(rid)
+        for rid in [r for r, n in self._send.items() if n >= self.world]:
+            del self._send[rid]
+            merged.finished_sending.add(rid)
+        return merged
+
+
 class KVTransferParamsError(ValueError):
     """Malformed or stale kv_transfer_params (the server answers 400, param kv_transfer_params)."""
 
