@@ -124,7 +124,7 @@ class EngineCore:
             time.sleep(KV_IDLE_WAIT_S)
         if not failed:
             return None
-        return StepResult(so, {}, None, failed=failed, error=KVTransferError(failed[0].error or "KV load failed"))
+        return StepResult(so, {}, None, failed=failed, error=KVTransferError((failed[0].error or "").removeprefix("KVTransferError: ")))
 
     def _launch(self, so: SchedulerOutput, scheduled: dict[str, Request]
                 ) -> tuple[Optional[_Launched], Optional[tuple[Exception, bool]]]:

@@ -63,3 +63,18 @@ def test_health_is_503_when_a_role_has_no_healthy_instance(monkeypatch):
 def test_router_needs_both_roles():
     with pytest.raises(ValueError):
         Router([], ["http://d0"])
+
+
+def test_failed_kv_load_is_a_503_not_a_500():
+    from tallyserve.engine.async_engine import StepFailedError
+    from tallyserve.server.errors import APIError
+    from tallyserve.server.serving import engine_errors
+
+    with pytest.raises(APIError) as info:
+        with engine_errors():
+            raise StepFailedError("KVTransferError: loading the prompt's KV failed: timed out")
+    assert info.value.status == 503 and info.value.code == "kv_transfer_failed"
+    with pytest.raises(APIError) as info:
+        with engine_errors():
+            raise StepFailedError("RuntimeError: boom")
+    assert info.value.status == 500
