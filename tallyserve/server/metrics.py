@@ -42,6 +42,7 @@ _ENGINE_COUNTERS = {
     "kv_loads_finished": ("tallyserve_kv_connector_loads", "Remote KV loads that finished."),
     "kv_load_failures": ("tallyserve_kv_connector_load_failures", "Remote KV loads that failed or timed out."),
     "kv_unknown_engine": ("tallyserve_kv_connector_unknown_engine", "Loads failed because the producer was unknown."),
+    "kv_loads_expired": ("tallyserve_kv_connector_loads_expired", "Remote prompts computed locally: too close to the producer's hold deadline."),
     "kv_bytes_received": ("tallyserve_kv_connector_received_bytes", "KV bytes received from producers."),
     "kv_load_seconds": ("tallyserve_kv_connector_load_seconds", "Seconds remote KV loads took, summed."),
     "kv_sends_finished": ("tallyserve_kv_connector_sends", "Held requests whose KV a consumer pulled."),

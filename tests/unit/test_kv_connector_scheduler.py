@@ -223,3 +223,21 @@ def test_rank_reports_wait_for_every_rank():
     assert out.finished_recving == {"a"} and out.failed_recving == {"b": "rank 0 lost it"}
     assert out.finished_sending == {"s"}
     assert rr.merge([KVConnectorOutput(), KVConnectorOutput()]).finished_recving == set()
+
+
+def test_params_too_close_to_the_producers_deadline_are_computed_here():
+    """A request that waited in the queue until its producer may free the blocks before a load could
+    end is computed locally: a late READ must never cache another prompt's KV under its hashes."""
+    import time as _time
+
+    sched, conn, runner = _setup()
+    prompt = list(range(11, 30))
+    req = _remote("x", prompt, conn)
+    req.kv_transfer_params["expires_at"] = _time.time() + 1.0  # < load_timeout_s (30 s) from now
+    sched.add_request(req)
+    so, _ = _step(sched, conn, runner)
+    assert not so.kv_loads and [e.request_id for e in so.requests] == ["x"] and conn.asked == []
+    assert sched.kv_xfer.stats.loads_expired == 1
+    while sched.has_unfinished_requests():
+        _step(sched, conn, runner)
+    assert req.output_token_ids == reference_output(prompt, 3)

@@ -48,6 +48,7 @@ class KVTransferStats:
         self.load_seconds = 0.0
         self.sends_finished = 0
         self.holds_expired = 0
+        self.loads_expired = 0  # waited past the producer's hold (minus a load's timeout): computed here
         self.loaded_dropped = 0  # loaded KV given back because the pool could not run the request
 
     def as_dict(self) -> dict:
@@ -121,6 +122,14 @@ class RemoteKVScheduling:
         if key in self._loading_keys:
             return REMOTE_WAIT  # a sibling (n > 1) loads this KV; it then hits the blocks cached here
         if key in self._done_keys:
+            return REMOTE_NONE
+        expires = params.get("expires_at")
+        if expires is not None and time.time() > expires - self.connector.config.load_timeout_s:
+            # The producer may free these blocks before a load started now could end: reading them
+            # then could cache someone else's KV under this prompt's hashes. Compute it here instead.
+            self._local.add(rid)
+            self._remember_done(key)
+            self.stats.loads_expired += 1
             return REMOTE_NONE
         hit = self.kv.match_prefix(req).without_partial()  # whole blocks: the load fills the rest
         ext = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
