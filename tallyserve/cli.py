@@ -85,7 +85,7 @@ def _generate_parser(sub) -> None:
 SUBCOMMANDS: list[Callable[[Any], None]] = [_generate_parser]
 
 
-_OPTIONAL = {"tallyserve.server.cli": ("serve",), "tallyserve.bench.cli": ("bench",),
+_OPTIONAL = {"tallyserve.server.cli": ("serve",), "tallyserve.server.proxy": ("proxy",), "tallyserve.bench.cli": ("bench",),
              "tallyserve.sim.cli": ("simulate",), "tallyserve.profile": ("profile",)}
 _UNAVAILABLE: set[str] = set()
 

@@ -142,10 +142,15 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    # Disaggregated prefill/decode (vLLM's name): {"kv_connector": "NixlConnector", "kv_role": ...}.
+    kv_transfer_config: Optional[Any] = None
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
         self._validate_parallel()
+        from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:

@@ -44,3 +44,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: the prompt token and the top-k at each prompt position
     # (the raw model distribution), complete once the request has produced its first token.
     prompt_logprobs: Optional[PromptLogprobs] = None
+    kv_transfer_params: Optional[dict] = None  # disaggregated serving: what a consumer needs (vLLM's name)

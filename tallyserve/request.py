@@ -28,10 +28,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    # Admitted with its prompt KV coming from another instance (disaggregated serving): its blocks
+    # are allocated and committed, the load runs outside the token budget (vLLM's name).
+    WAITING_FOR_REMOTE_KVS = 7
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self in _FINISH_REASONS
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -86,6 +89,10 @@ class Request:
         self.num_output_placeholders = 0
         # A beam of a beam search group: its rows return logprobs, the engine picks its tokens.
         self.beam_search = False
+        # Disaggregated serving (vLLM's name): do_remote_prefill (load this prompt's KV from the
+        # producer named here) or do_remote_decode (hold the KV for a consumer to pull).
+        self.kv_transfer_params: Optional[dict] = None
+        self.kv_transfer_output: Optional[dict] = None  # a producer's params for the consumer, once finished
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ mutates a Request. Results return through `Scheduler.update(...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from tallyserve.core.kv_cache_manager import KVTransfers
 
@@ -55,6 +55,17 @@ def prompt_logprob_targets(req: "Request", start: int, num_real: int) -> tuple[i
         return ()
     end = min(start + num_real, req.num_prompt_tokens - 1)
     return tuple(req.prompt_token_ids[start + 1:end + 1]) if end > start else ()
+class RemoteKVLoad(NamedTuple):
+    """A remote prefix hit committed this step (disaggregated serving): the request's blocks
+    ``block_ids`` are allocated and will receive ``num_tokens`` tokens of KV (positions from
+    ``start_position``) from the producer's blocks ``remote_block_ids``. No token is charged."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    start_position: int
+    num_tokens: int
+    params: dict  # the request's kv_transfer_params (remote engine, address, request id)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,11 @@ class SchedulerOutput:
     # Structured outputs: token bitmask rows of the entries with a grammar (attached by the engine
     # core after the ledger check; they change which tokens are sampled, never how many are computed).
     grammar_bitmask: Optional["GrammarBitmask"] = None
+    # Disaggregated serving: the remote loads committed in this step (and only those), and what
+    # the KV connector built from this very output for its workers (vLLM's name).
+    kv_loads: tuple[RemoteKVLoad, ...] = ()
+    kv_releases: tuple[dict, ...] = ()  # remote KV this step chose not to load: its producer may free it
+    kv_connector_metadata: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:

@@ -21,13 +21,14 @@ from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPrefillPolicy, PrefillSlots, tokens_left
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput, prompt_logprob_targets
 from tallyserve.core.stats import SchedulerStats, scheduler_snapshot
+from tallyserve.distributed.kv_transfer.scheduling import RemoteKVScheduling
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_connector=None) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(
             cache_config.num_blocks,
@@ -51,6 +52,7 @@ class Scheduler:
         # most one request is mid-prefill anyway).
         cfg = scheduler_config
         self.prefills = PartialPrefillPolicy(cfg)
+        self.kv_xfer = RemoteKVScheduling(kv_connector, self) if kv_connector is not None else None  # disagg
 
     # ----------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -62,7 +64,7 @@ class Scheduler:
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.kv_xfer is not None and self.kv_xfer.has_pending())
 
     @property
     def num_running(self) -> int:
@@ -129,6 +131,12 @@ class Scheduler:
         idx = 0  # stays 0 unless a long prefill is skipped for lack of a long slot (vLLM's queue jumping)
         while idx < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[idx]
+            taken = self.kv_xfer.admit_waiting(idx, budget, scheduled) if self.kv_xfer is not None else None
+            if taken is not None:  # a remote prefix hit: loading (0 tokens), loaded (charged) or must wait (-1)
+                if taken < 0:
+                    break
+                budget -= taken
+                continue
             hit = self.kv.match_prefix(req)
             if pending and self._prefix_pending(req, hit, pending):
                 self.stats.deferred_admissions += 1
@@ -241,7 +249,7 @@ class Scheduler:
             self.stats.async_steps += async_scheduling
             if async_scheduling:
                 self._in_flight[self._step_id] = tuple(reqs)
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step_id=self._step_id,
             requests=tuple(entries),
             total_tokens=total,
@@ -251,6 +259,7 @@ class Scheduler:
             async_scheduled=async_scheduling,
             finished_request_ids=self._take_finished_ids() if entries else (),
         )
+        return so if self.kv_xfer is None else self.kv_xfer.finish_output(so)  # + the step's remote loads
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -434,9 +443,8 @@ class Scheduler:
         self.kv.release_step()
         self.kv.check_integrity()
 
-    def snapshot(self) -> dict[str, int]:
-        """Read-only counters and gauges for stats(): the caller never touches the pool."""
-        return scheduler_snapshot(self.stats, self.kv, self.num_running, self.num_waiting)
+    def snapshot(self) -> dict[str, int]:  # read-only counters and gauges for stats() (core/stats.py)
+        return scheduler_snapshot(self)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._finished_ids.append(req.request_id)
@@ -445,5 +453,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if self.kv_xfer is None or not self.kv_xfer.on_finish(req):  # a running load / a producer hold keeps them
+            self.kv.free(req)
         del self.requests[req.request_id]

@@ -26,15 +26,17 @@ class SchedulerStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def scheduler_snapshot(stats: SchedulerStats, kv, num_running: int, num_waiting: int) -> dict[str, int]:
-    """The counters plus the KV pool's gauges (``kv``: the scheduler's KVCacheManager), read-only."""
-    host = kv.host
-    out: dict[str, int] = stats.as_dict()
+def scheduler_snapshot(sched) -> dict:
+    """Read-only counters and gauges of a Scheduler for stats(): the caller never touches the pool."""
+    kv, host = sched.kv, sched.kv.host
+    out: dict = sched.stats.as_dict()
     out.update(
         num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-        num_cached_blocks=kv.pool.num_cached_blocks, num_running=num_running,
-        num_waiting=num_waiting, block_evictions=kv.pool.num_evictions,
+        num_cached_blocks=kv.pool.num_cached_blocks, num_running=sched.num_running,
+        num_waiting=sched.num_waiting, block_evictions=kv.pool.num_evictions,
         num_host_blocks=host.num_blocks if host else 0, host_blocks_offloaded=host.num_offloaded if host else 0,
-        host_blocks_restored=stats.host_hit_tokens // kv.block_size,
+        host_blocks_restored=sched.stats.host_hit_tokens // kv.block_size,
     )
+    if sched.kv_xfer is not None:  # disaggregated serving: loads, failures, holds
+        out.update(sched.kv_xfer.stats.as_dict(), kv_blocks_held_requests=sched.kv_xfer.num_held)
     return out

@@ -27,6 +27,11 @@ from tallyserve.runner.outputs import ModelRunnerOutput
 logger = logging.getLogger(__name__)
 
 TIMING_KEYS = ("schedule", "launch", "wait", "update")
+KV_IDLE_WAIT_S = 0.002  # an empty step while only KV transfers are pending: do not spin
+
+
+class KVTransferError(RuntimeError):
+    """A request's remote KV could not be loaded and its policy is to fail."""
 
 
 class DraftSource:
@@ -94,6 +99,7 @@ class EngineCore:
             self.executor.apply_transfers(so.kv_transfers)
             self.executor.flush_transfers()
         self.timings["launch"] += time.perf_counter() - t1
+        kv_failed = self._kv_connector_step(so)  # after the step's block moves: an evicted block is offloaded first
         prev = launched
         if async_scheduling:
             prev, self.inflight = self.inflight, launched
@@ -104,7 +110,24 @@ class EngineCore:
             self.scheduler.update(so, {})
         if failure is not None:  # after the previous step's results: what stopped there stays stopped
             results.append(self._fail(so, scheduled, failure[0], transfers_ran=failure[1]))
+        if kv_failed is not None:
+            results.append(kv_failed)
         return results
+
+    def _kv_connector_step(self, so: SchedulerOutput) -> Optional[StepResult]:
+        """Disaggregated serving: the workers start the loads this step committed (its connector
+        metadata, built from ``so``) and report what finished; the scheduler applies the report. A
+        step with nothing to compute while transfers are pending yields the CPU briefly."""
+        xfer = self.scheduler.kv_xfer
+        if xfer is None:
+            return None
+        out = self.executor.kv_connector_step(so.kv_connector_metadata)
+        failed = xfer.process(out)
+        if so.is_empty and not so.kv_loads and not (out.finished_recving or out.failed_recving):
+            time.sleep(KV_IDLE_WAIT_S)
+        if not failed:
+            return None
+        return StepResult(so, {}, None, failed=failed, error=KVTransferError((failed[0].error or "").removeprefix("KVTransferError: ")))
 
     def _launch(self, so: SchedulerOutput, scheduled: dict[str, Request]
                 ) -> tuple[Optional[_Launched], Optional[tuple[Exception, bool]]]:

@@ -75,7 +75,12 @@ class LLMEngine:
             self.executor, self.config = UniProcExecutor.create(args, resolved, self.device, self.dtype,
                                                                 self.eos_token_ids)
         self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.kv_connector = None  # the scheduler half of disaggregated serving
+        if args.kv_transfer_config is not None:
+            from tallyserve.distributed.kv_transfer.factory import make_connector
+
+            self.kv_connector = make_connector(args.kv_transfer_config, args.block_size, role="scheduler")
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config, self.kv_connector)
         self.spec = None
         if args.speculative_config:
             self.spec = SpecDecodeRunner.create(args, self.scheduler, mc, self.device, self.dtype,
@@ -154,7 +159,8 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+                    priority: int = 0, arrival_time: Optional[float] = None,
+                    kv_transfer_params: Optional[dict] = None) -> None:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -184,6 +190,15 @@ class LLMEngine:
         max_model_len = self.config.scheduler_config.max_model_len
         check_prompt_length(len(ids), max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+        if isinstance(prompt, dict) and "kv_transfer_params" in prompt:  # the server passes them with the prompt
+            kv_transfer_params = prompt["kv_transfer_params"]
+        if kv_transfer_params is not None:
+            from tallyserve.distributed.kv_transfer.factory import check_request_params
+
+            kv_transfer_params = check_request_params(self.kv_connector, kv_transfer_params, len(ids), params.n)
+            if kv_transfer_params and kv_transfer_params.get("do_remote_prefill") and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be computed from a remote prefill's KV: ask the prefill "
+                                 "instance for them, or send the request without kv_transfer_params")
         parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()},
                              prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):
@@ -193,6 +208,7 @@ class LLMEngine:
                 child_params = child_params.clone(prompt_logprobs=None)
             req = Request(child_id, ids, child_params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                           priority=priority, arrival_time=arrival_time)
+            req.kv_transfer_params = kv_transfer_params
             seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req))
             parent.children.append(seq)
         for seq in parent.children:
@@ -211,7 +227,9 @@ class LLMEngine:
             self._pending.append(self._pop_if_finished(parent))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self.core.has_inflight()
+        xfer = self.scheduler.kv_xfer  # disaggregated serving: loads running, blocks held for a consumer
+        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self.core.has_inflight() \
+            or (xfer is not None and xfer.has_pending())
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
         _, ids = self.process_prompt(prompt)

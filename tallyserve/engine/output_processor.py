@@ -69,6 +69,7 @@ class ParentState:
             error=self.error,
             metrics=dict(self.metrics),
             prompt_logprobs=self.prompt_logprobs,
+            kv_transfer_params=self.children[0].request.kv_transfer_output if self.children else None,
         )
 
 

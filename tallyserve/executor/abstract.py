@@ -10,13 +10,16 @@ core checks against the ledger) -> ``launch`` (forward and sampling, queued) -> 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 from tallyserve.core.kv_cache_manager import KVTransfers
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.runner.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
 
 
 class ExecutorDeadError(RuntimeError):
@@ -56,6 +59,21 @@ class Executor(ABC):
     def bytes_moved(self) -> int:
         """KV bytes copied between the device and host pools so far."""
         return 0
+
+    def kv_connector_step(self, metadata) -> "KVConnectorOutput":
+        """Disaggregated serving: start the loads of ``metadata`` (KVConnectorMetadata) on the
+        workers and return what finished. An executor without a KV connector fails every load
+        (the scheduler then recomputes or fails the request, as configured)."""
+        from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
+
+        out = KVConnectorOutput()
+        for load in getattr(metadata, "loads", ()):
+            out.failed_recving[load.request_id] = "this executor has no KV connector"
+        return out
+
+    def kv_transfer_metadata(self, rank: int) -> Optional[dict]:
+        """The NIXL metadata of tensor-parallel rank ``rank`` (what consumers fetch), or None."""
+        return None
 
     def flush_transfers(self) -> None:
         """Run KV moves queued by a step that launched nothing (no-op where they ran at once)."""

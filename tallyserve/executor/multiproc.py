@@ -91,6 +91,8 @@ class MultiprocExecutor(Executor):
         self._transfers: Optional[KVTransfers] = None
         self._dead: Optional[str] = None
         self.broadcast_s = 0.0  # host seconds spent sending steps to rank 0 (the rest is the collective)
+        self.kv_ranks = None  # disaggregated serving: per-rank reports merged across steps
+        self._kv_meta: list[dict] = []
 
     @classmethod
     def create(cls, args: EngineArgs, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype,
@@ -107,7 +109,27 @@ class MultiprocExecutor(Executor):
             ex.shutdown()
             raise
         logger.info("tensor parallelism: %d workers ready, %d KV blocks per rank", len(procs), num_blocks)
+        if args.kv_transfer_config is not None:
+            from tallyserve.distributed.kv_transfer.base import RankReports
+
+            ex.kv_ranks = RankReports(args.tensor_parallel_size)
+            ex._send(("kv_meta",))
+            ex._kv_meta = ex._recv("ok", ex.timeout)[2]
         return ex, config
+
+    def kv_connector_step(self, metadata):
+        """Every rank starts its share of the loads and reports; a load (or a producer's send) counts
+        as done only once every rank reported it, so no block is freed while one rank still writes."""
+        if self.kv_ranks is None:
+            return super().kv_connector_step(metadata)
+        self._send(("kv", metadata))
+        reply = self._recv("ok", self.timeout)
+        if reply[0] == "error":
+            raise RuntimeError(f"{reply[1]} (KV connector on the tensor-parallel workers): {reply[2]}")
+        return self.kv_ranks.merge(reply[2])
+
+    def kv_transfer_metadata(self, rank: int):
+        return self._kv_meta[rank] if 0 <= rank < len(self._kv_meta) else None
 
     # ----------------------------------------------------------------- talking to rank 0
     def _recv(self, expect: str, timeout: float) -> tuple:

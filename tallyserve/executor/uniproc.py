@@ -18,9 +18,12 @@ from tallyserve.runner.outputs import AsyncModelRunnerOutput
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, kv_connector=None) -> None:
         self.runner = runner
         self.overlaps_host = runner.device.type == "cuda"
+        self.kv_connector = kv_connector  # the worker half of disaggregated serving, if configured
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(runner.kv_caches)
 
     @classmethod
     def create(cls, args: EngineArgs, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype,
@@ -37,7 +40,27 @@ class UniProcExecutor(Executor):
         runner = ModelRunner(model, mc, num_blocks, args.block_size, device, dtype, host_blocks,
                              use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
                              max_model_len=sc.max_model_len, eos_token_ids=eos_token_ids, seed=args.seed)
-        return cls(runner), config
+        connector = None
+        if args.kv_transfer_config is not None:
+            from tallyserve.distributed.kv_transfer.factory import make_connector
+
+            connector = make_connector(args.kv_transfer_config, args.block_size, role="worker")
+        return cls(runner, connector), config
+
+    def kv_connector_step(self, metadata):
+        if self.kv_connector is None:
+            return super().kv_connector_step(metadata)
+        if metadata:
+            self.kv_connector.start_load_kv(metadata)
+        return self.kv_connector.get_finished()
+
+    def kv_transfer_metadata(self, rank: int):
+        conn = self.kv_connector
+        return conn.metadata() if conn is not None and hasattr(conn, "metadata") and rank == 0 else None
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def apply_transfers(self, transfers: KVTransfers) -> None:
         self.runner.apply_transfers(transfers)

@@ -7,6 +7,8 @@ machines), every rank runs it, and only rank 0 answers. Messages:
 
   ("step", SchedulerOutput, KVTransfers, draft_probs) -> ("ok", num_forward_tokens, ModelRunnerOutput | None)
   ("transfers", KVTransfers)                         -> ("ok", 0, None)
+  ("kv", KVConnectorMetadata)                        -> ("ok", 0, [KVConnectorOutput of each rank])
+  ("kv_meta",)                                       -> ("ok", 0, [NIXL metadata of each rank])
   ("shutdown",)                                      -> the worker exits
 
 A step that fails the same way on every rank (a ledger mismatch, a bad batch) answers
@@ -74,14 +76,37 @@ def _build_runner(spec: WorkerSpec, resolved, model, config):
     from tallyserve.runner.model_runner import ModelRunner
 
     sc, cc = config.scheduler_config, config.cache_config
-    return ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, torch.device(spec.device),
+    runner = ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, torch.device(spec.device),
                        spec.dtype, cc.num_host_blocks, use_cuda_graph=not spec.args.enforce_eager,
                        max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                        eos_token_ids=spec.eos_token_ids, seed=spec.args.seed)
+    runner.kv_connector = None
+    if spec.args.kv_transfer_config is not None:  # this rank's own heads, its own NIXL agent
+        from tallyserve.distributed.kv_transfer.nixl_connector import NixlConnectorWorker
+
+        runner.kv_connector = NixlConnectorWorker(spec.args.kv_transfer_config, cc.block_size, tp_rank=spec.rank)
+        runner.kv_connector.register_kv_caches(runner.kv_caches)
+    return runner
 
 
-def _run_step(runner, rank: int, msg: tuple) -> tuple:
+def _kv_step(runner, msg: tuple, group) -> tuple:
+    """Disaggregated serving: every rank loads its own heads' KV; rank 0 gathers what finished."""
+    conn = runner.kv_connector
+    if msg[0] == "kv_meta":
+        mine = conn.metadata()
+    else:
+        if msg[1]:
+            conn.start_load_kv(msg[1])
+        mine = conn.get_finished()
+    box = [None] * dist.get_world_size(group)
+    dist.all_gather_object(box, mine, group=group)
+    return ("ok", 0, box)
+
+
+def _run_step(runner, rank: int, msg: tuple, group=None) -> tuple:
     kind = msg[0]
+    if kind in ("kv", "kv_meta"):
+        return _kv_step(runner, msg, group)
     if kind == "transfers":
         runner.apply_transfers(msg[1])
         return ("ok", 0, None)
@@ -132,7 +157,7 @@ def _serve(runner, rank: int, conn, group) -> None:
         if msg[0] == "shutdown":
             break
         try:
-            reply = _run_step(runner, rank, msg)
+            reply = _run_step(runner, rank, msg, group)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: a failed step, not a dead worker
             logger.error("rank %d: step failed", rank, exc_info=exc)
             reply = ("error", type(exc).__name__, str(exc))

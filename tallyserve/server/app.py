@@ -77,6 +77,9 @@ def build_app(engine: AsyncLLMEngine, *, api_key: Optional[str] = None, enable_f
     _add_error_handlers(app, ctx)
     _add_info_routes(app, ctx)
     _add_openai_routes(app, ctx)
+    from tallyserve.server.kv_transfer import add_routes as _add_kv_transfer_routes
+
+    _add_kv_transfer_routes(app, ctx)  # disaggregated serving: NIXL agent metadata for consumers
     if enable_fault_injection:
         _add_fault_routes(app, ctx)
     _document_errors_only_as_returned(app)

@@ -239,6 +239,8 @@ def serve(ns: argparse.Namespace) -> int:
 
     engine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)), stall_timeout=ns.stall_timeout,
                             max_queue_len=ns.max_queue_len, slow_client_timeout=ns.slow_client_timeout)
+    if engine.engine.kv_connector is not None:  # the address consumers pull this instance's KV from
+        engine.engine.kv_connector.advertise(ns.host, ns.port)
     app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,
                     max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs,
                     trust_request_chat_template=ns.trust_request_chat_template,

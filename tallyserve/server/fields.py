@@ -135,7 +135,8 @@ _SHARED: dict[str, FieldInfo] = {
     "return_tokens_as_token_ids": _u("tokens are always returned as strings", False),
     "return_token_ids": _u("token ids are not returned", False),
     "cache_salt": _u("the prefix cache is not salted per request"),
-    "kv_transfer_params": _u("there is no disaggregated serving", {}),
+    "kv_transfer_params": _h("disaggregated serving: do_remote_decode on a kv_producer, a producer's answer "
+                             "on a kv_consumer; malformed or stale params are a 400"),
     "vllm_xargs": _u("there are no custom extensions", {}),
     "mm_processor_kwargs": _u("there is no multimodal processor", {}),
     "media_io_kwargs": _u("there is no multimodal input", {}),

@@ -39,6 +39,15 @@ _ENGINE_COUNTERS = {
     "kv_bytes_moved": ("tallyserve_kv_transfer_bytes", "Bytes moved between the device and host KV pools."),
     "spec_proposed": ("tallyserve_spec_decode_draft_tokens", "Draft tokens proposed for verification."),
     "spec_accepted": ("tallyserve_spec_decode_accepted_tokens", "Draft tokens accepted by verification."),
+    # disaggregated serving (a kv_consumer loads, a kv_producer holds)
+    "kv_loads_finished": ("tallyserve_kv_connector_loads", "Remote KV loads that finished."),
+    "kv_load_failures": ("tallyserve_kv_connector_load_failures", "Remote KV loads that failed or timed out."),
+    "kv_unknown_engine": ("tallyserve_kv_connector_unknown_engine", "Loads failed because the producer was unknown."),
+    "kv_loads_expired": ("tallyserve_kv_connector_loads_expired", "Remote prompts computed locally: too close to the producer's hold deadline."),
+    "kv_bytes_received": ("tallyserve_kv_connector_received_bytes", "KV bytes received from producers."),
+    "kv_load_seconds": ("tallyserve_kv_connector_load_seconds", "Seconds remote KV loads took, summed."),
+    "kv_sends_finished": ("tallyserve_kv_connector_sends", "Held requests whose KV a consumer pulled."),
+    "kv_holds_expired": ("tallyserve_kv_connector_holds_expired", "Held requests freed by the hold timeout."),
 }
 
 

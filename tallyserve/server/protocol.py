@@ -111,6 +111,8 @@ class SamplingFields(_Request):
     structural_tag: Optional[Union[str, dict[str, Any]]] = None
     # vLLM's: the logprobs of the prompt tokens plus this many top alternatives (not with stream)
     prompt_logprobs: Optional[int] = None
+    # disaggregated serving (vLLM's name): {"do_remote_decode": true} to a producer, its answer to a consumer
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @property
     def include_usage(self) -> bool:

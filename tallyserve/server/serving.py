@@ -373,4 +373,6 @@ def engine_errors(step_failures: bool = True) -> Iterator[None]:
     except StepFailedError as exc:
         if not step_failures:
             raise
+        if str(exc).startswith("KVTransferError"):  # the producer's KV could not be pulled (policy "fail")
+            raise errors.unavailable(f"{exc}; retry the request", "kv_transfer_failed") from exc
         raise errors.step_failed(str(exc)) from exc

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.server.kv_transfer import add_to_body, check_params, prompt_with_params
 from tallyserve.server.errors import QUOTE_LIMIT, bad_request, clip, quote
 from tallyserve.server.logprobs import chat_logprobs
 from tallyserve.server.prompt_logprobs import prompt_logprobs_field
@@ -118,17 +119,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     check_prompt_ids(ctx, ids, params, "messages")
     if isinstance(params, BeamSpec):
         check_beam_fits(ctx, params, len(ids))
+    kv_params = check_params(ctx, req.kv_transfer_params, [len(ids)], req.n or 1)
     check_admission(ctx)
     request_id = random_id("chatcmpl")
     if isinstance(params, BeamSpec):
         out = (await collect_beams(ctx, raw, [(request_id, None, ids)], params))[0]
         return JSONResponse(_response(ctx, req, request_id, out, plan).model_dump())
-    gens = [tracked(ctx, request_id, {"prompt_token_ids": ids}, params)]
+    gens = [tracked(ctx, request_id, prompt_with_params({"prompt_token_ids": ids}, kv_params), params)]
     if req.stream:
         stream = await prime(raw, merged(gens))
         return SSEResponse(_stream(ctx, req, request_id, params.n, stream, plan))
     out = (await collect(raw, gens))[0]
-    return JSONResponse(_response(ctx, req, request_id, out, plan).model_dump())
+    return JSONResponse(add_to_body(_response(ctx, req, request_id, out, plan).model_dump(), [out]))
 
 
 def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,

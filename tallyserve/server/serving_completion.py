@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.server.kv_transfer import add_to_body, check_params, prompt_with_params
 from tallyserve.server.errors import bad_request, quote
 from tallyserve.server.logprobs import completion_logprobs
 from tallyserve.server.prompt_logprobs import echo_logprobs, extend, prompt_logprobs_field, scored
@@ -131,19 +132,21 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         check_prompt_ids(ctx, p.ids, params, "prompt")
         if isinstance(params, BeamSpec):
             check_beam_fits(ctx, params, len(p.ids))
+    kv_params = check_params(ctx, req.kv_transfer_params, [len(p.ids) for p in prompts], req.n or 1)
     check_admission(ctx)
     request_id = random_id("cmpl")
     if isinstance(params, BeamSpec):
         outs = await collect_beams(ctx, raw, [(f"{request_id}-{i}", p.text, p.ids) for i, p in enumerate(prompts)],
                                    params)
         return JSONResponse(_response(ctx, req, request_id, prompts, outs).model_dump())
-    gens = [tracked(ctx, f"{request_id}-{i}", {"prompt": p.text, "prompt_token_ids": p.ids}, params)
+    gens = [tracked(ctx, f"{request_id}-{i}", prompt_with_params({"prompt": p.text, "prompt_token_ids": p.ids},
+                                                                kv_params), params)
             for i, p in enumerate(prompts)]
     if req.stream:
         stream = await prime(raw, merged(gens))
         return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream))
     outs = await collect(raw, gens)
-    return JSONResponse(_response(ctx, req, request_id, prompts, outs).model_dump())
+    return JSONResponse(add_to_body(_response(ctx, req, request_id, prompts, outs).model_dump(), outs))
 
 
 def _response(ctx: ServerContext, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
