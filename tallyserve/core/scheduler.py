@@ -21,6 +21,7 @@ from tallyserve.core.kv_cache_manager import KVCacheManager
 from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPrefillPolicy, PrefillSlots, tokens_left
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput, prompt_logprob_targets
 from tallyserve.core.stats import SchedulerStats, scheduler_snapshot
+from tallyserve.core.stopping import check_stop, ends_by_length
 from tallyserve.distributed.kv_transfer.scheduling import RemoteKVScheduling
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
@@ -95,7 +96,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            if req.num_output_placeholders and (self._ends_by_length(req, req.num_tokens)
+            if req.num_output_placeholders and (ends_by_length(req, req.num_tokens, self.config.max_model_len)
                                                 or req.sampling_params.structured_outputs is not None):
                 idx += 1  # its in-flight token is its last one, or its grammar must see that token first
                 continue
@@ -285,7 +286,7 @@ class Scheduler:
             status = None
             for token in tokens:
                 req.all_token_ids.append(token)
-                status = self._check_stop(req, req.num_tokens)
+                status = check_stop(req, req.num_tokens, self.config.max_model_len)
                 if status is not None:
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1 if tokens else req.num_tokens)
@@ -314,7 +315,7 @@ class Scheduler:
                     raise AssertionError(f"{req.request_id}: no placeholder at position {end}")
                 req.all_token_ids[end] = sampled[entry.request_id][0]
                 req.num_output_placeholders -= 1
-                status = self._check_stop(req, end + 1)
+                status = check_stop(req, end + 1, self.config.max_model_len)
                 if status is not None:
                     if req.status == RequestStatus.RUNNING:
                         self.kv.cache_blocks(req, end)
@@ -396,22 +397,6 @@ class Scheduler:
             return False
         num_tokens = min(num_tokens, self.config.max_model_len - req.num_computed_tokens)
         return self.kv.allocate_slots(req, num_tokens)
-
-    def _ends_by_length(self, req: Request, length: int) -> bool:
-        return length - req.num_prompt_tokens >= req.max_tokens or length >= self.config.max_model_len
-
-    def _check_stop(self, req: Request, length: int) -> Optional[RequestStatus]:
-        """Does the token at ``length - 1`` (just sampled) end the request?"""
-        sp, last = req.sampling_params, req.all_token_ids[length - 1]
-        if length - req.num_prompt_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and last in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if last in sp.stop_token_ids:
-                req.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if self._ends_by_length(req, length):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests from outside (client abort, stop string, error)."""
