@@ -170,8 +170,13 @@ def test_a_constraint_that_does_not_compile_is_a_value_error(model_dir, so, fiel
 
 def test_engine_fails_the_request_when_its_grammar_fails(model_dir):
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
+    gate = threading.Event()
+    cache = engine.structured.manager.cache
+    real = cache._compile
+    cache._compile = lambda key: (gate.wait(10), real(key))[1]  # fails after the add returned
     engine.add_request("bad", "Hi", _params(_so(regex="x{2,1}")))
     engine.add_request("good", "Hi", _params(_so(regex=REGEX)))
+    gate.set()
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
