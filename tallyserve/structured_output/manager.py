@@ -160,6 +160,8 @@ class StructuredOutputManager:
     def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
         """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
         token and one after each draft (per-position masks for verification)."""
+        if not self.states:  # no sequence has a grammar: nothing to do on the hot path
+            return None
         entries = [e for e in so.requests if e.sample and e.request_id in self.states and not e.beam_search]
         if not entries:
             return None
