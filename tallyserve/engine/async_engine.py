@@ -219,11 +219,6 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
-    async def compile_structured_outputs(self, so: Any) -> None:
-        """Compile a request's grammar off the event loop and off the step loop (the engine finds
-        it in its cache when the request is added); ValueError if it does not compile."""
-        await asyncio.to_thread(self.engine.structured.manager.compile, so)
-
     async def beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> BeamSearchOutput:
         """Run one beam search group to the end; its sequences come best first. Raises like
         `generate` (EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError).

@@ -93,7 +93,8 @@ class SpecDecodeRunner(DraftSource):
                     ready.append(req)
         if self.ngram is not None:
             for req in ready:
-                sched.set_draft_tokens(req.request_id, self._grammar_prefix(req, self.ngram.propose(req.all_token_ids)))
+                drafts = self._grammar_prefix(req, self.ngram.propose(req.all_token_ids))
+                sched.set_draft_tokens(req.request_id, drafts)
             return
         k = self.config.num_speculative_tokens
         batch = [

@@ -12,6 +12,7 @@ than one constraint in a request is a 400, as is any that does not compile (nami
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 from dataclasses import fields as dc_fields
@@ -111,12 +112,14 @@ def structured_outputs_of(req: Any) -> tuple[Optional[StructuredOutputsParams], 
 
 
 async def check_compiles(engine: Any, params: SamplingParams) -> None:
-    """Compile the request's grammar (off the event loop, cached for the engine) before the
-    request is accepted: a 400 naming the field if it does not compile."""
+    """Compile the request's grammar (on a thread, off the event loop and the step loop; the
+    engine finds it in its cache when the request is added) before the request is accepted: a
+    400 naming the field if it does not compile. ``engine``: the AsyncLLMEngine."""
     so = params.structured_outputs
     if so is None:
         return
+    manager = engine.engine.structured.manager  # its compile cache is thread-safe
     try:
-        await engine.compile_structured_outputs(so)
+        await asyncio.to_thread(manager.compile, so)
     except ValueError as exc:
         raise bad_request(str(exc), CONSTRAINT_FIELD.get() or "structured_outputs") from exc

@@ -61,8 +61,20 @@ def apply_grammar_bitmask(so: "SchedulerOutput", logits: torch.Tensor, raw: Opti
     if raw is not None and logits is raw:
         logits = logits.clone()
     index = host_tensor(rows, logits.device)
-    words = host_tensor(gb.bitmask.numpy(), logits.device, torch.int32)
-    allowed = allowed_from_bitmask(words, logits.shape[1])
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    masked = mask_rows(logits.index_select(0, index), gb.bitmask)
     logits.index_copy_(0, index, masked)
     return logits
+
+
+def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, cpu_kernel: bool = True) -> torch.Tensor:
+    """Set to -inf, in place, the logits each host bitmask row forbids (rows aligned). On the CPU
+    xgrammar's kernel does it; on a GPU the words are uploaded without waiting and unpacked there."""
+    if rows.device.type == "cpu" and cpu_kernel:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=rows.shape[1])
+        return rows
+    from tallyserve.runner.sampler import host_tensor
+
+    words = host_tensor(bitmask.numpy(), rows.device, torch.int32)
+    return rows.masked_fill_(~allowed_from_bitmask(words, rows.shape[1]), float("-inf"))

@@ -50,6 +50,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.states: dict[str, RequestGrammar] = {}
         self._json_words: Optional[torch.Tensor] = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
 
     # ----------------------------------------------------------------- compilation
     @property
@@ -159,12 +160,15 @@ class StructuredOutputManager:
     def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
         """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
         token and one after each draft (per-position masks for verification)."""
+        if not self.states:  # no sequence has a grammar: nothing to do on the hot path
+            return None
         entries = [e for e in so.requests if e.sample and e.request_id in self.states and not e.beam_search]
         if not entries:
             return None
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(sum(e.num_sample_rows for e in entries), self.vocab_size)
+        batch, batch_rows, json_rows = [], [], []  # plain rows: filled together, on xgrammar's threads
         row = 0
         for e in entries:
             st = self.states[e.request_id]
@@ -174,20 +178,37 @@ class StructuredOutputManager:
             if st.error is None and len(st.tokens) != e.num_output_tokens:
                 st.error = (f"grammar state is at {len(st.tokens)} output tokens but the step samples after "
                             f"{e.num_output_tokens}")
-            self._fill(st, bitmask, row)
-            accepted = 0
-            for j, d in enumerate(e.draft_token_ids):
-                ok = (st.error is None and not st.matcher.is_terminated() and st.matcher.accept_token(d))
-                if ok:
-                    accepted += 1
-                    self._fill(st, bitmask, row + j + 1)
-                else:  # the verifier rejects this draft (masked); later rows are never used
-                    bitmask[row + j + 1:row + e.num_sample_rows] = bitmask[row + j]
-                    break
-            if accepted:
-                st.matcher.rollback(accepted)
+            if not e.num_draft_tokens and st.error is None and not st.matcher.is_terminated():
+                batch.append(st.matcher)
+                batch_rows.append(row)
+                if st.json:
+                    json_rows.append(row)
+            else:
+                self._fill_with_drafts(st, e.draft_token_ids, bitmask, row)
             row += e.num_sample_rows
+        if batch:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
+            if json_rows and self._json_words is not None:
+                bitmask[json_rows] &= self._json_words
         return GrammarBitmask(frozenset(e.request_id for e in entries), bitmask)
+
+    def _fill_with_drafts(self, st: RequestGrammar, drafts: tuple[int, ...], bitmask: torch.Tensor,
+                          row: int) -> None:
+        """Row ``row`` after the sequence, then one row after each draft (the matcher walks the
+        drafts and comes back)."""
+        self._fill(st, bitmask, row)
+        accepted = 0
+        for j, d in enumerate(drafts):
+            if st.error is None and not st.matcher.is_terminated() and st.matcher.accept_token(d):
+                accepted += 1
+                self._fill(st, bitmask, row + j + 1)
+            else:  # the verifier rejects this draft (masked); later rows are never used
+                bitmask[row + j + 1:row + len(drafts) + 1] = bitmask[row + j]
+                break
+        if accepted:
+            st.matcher.rollback(accepted)
 
     def _fill(self, st: RequestGrammar, bitmask: torch.Tensor, row: int) -> None:
         if st.error is None and not st.matcher.is_terminated():

@@ -17,7 +17,7 @@ import torch
 from tallyserve import LLM, SamplingParams, StructuredOutputsParams
 from tallyserve.config import EngineArgs
 from tallyserve.engine.llm_engine import LLMEngine
-from tallyserve.structured_output.bitmask import allowed_from_bitmask
+from tallyserve.structured_output.bitmask import allowed_from_bitmask, mask_rows
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -32,24 +32,16 @@ PERSON = {
     "required": ["name", "age", "admin", "role"],
 }
 # What tool calling sends: an array of objects, each one of two shapes.
-TOOL_CALLS = {
-    "type": "array",
-    "minItems": 1,
-    "maxItems": 2,
-    "items": {
-        "anyOf": [
-            {"type": "object", "properties": {"name": {"const": "get_weather"},
-                                              "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
-                                                            "required": ["city"]}},
-             "required": ["name", "arguments"]},
-            {"type": "object", "properties": {"name": {"const": "add"},
-                                              "arguments": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                                                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-                                                            "required": ["a", "b"]}},
-             "required": ["name", "arguments"]},
-        ]
-    },
-}
+_SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
+_WEATHER = {"type": "object", "required": ["name", "arguments"],
+            "properties": {"name": {"const": "get_weather"},
+                           "arguments": {"type": "object", "required": ["city"],
+                                         "properties": {"city": {"type": "string", "maxLength": 5}}}}}
+_ADD = {"type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"const": "add"},
+                       "arguments": {"type": "object", "required": ["a", "b"],
+                                     "properties": {"a": _SMALL_INT, "b": _SMALL_INT}}}}
+TOOL_CALLS = {"type": "array", "minItems": 1, "maxItems": 2, "items": {"anyOf": [_WEATHER, _ADD]}}
 REGEX = r"[a-c]{2}-\d{3}"
 CHOICES = ["yes", "no", "maybe not"]
 EBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
@@ -170,8 +162,13 @@ def test_a_constraint_that_does_not_compile_is_a_value_error(model_dir, so, fiel
 
 def test_engine_fails_the_request_when_its_grammar_fails(model_dir):
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
+    gate = threading.Event()
+    cache = engine.structured.manager.cache
+    real = cache._compile
+    cache._compile = lambda key: (gate.wait(10), real(key))[1]  # fails after the add returned
     engine.add_request("bad", "Hi", _params(_so(regex="x{2,1}")))
     engine.add_request("good", "Hi", _params(_so(regex=REGEX)))
+    gate.set()
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -247,6 +244,16 @@ def test_bitmask_words_unpack_to_tokens():
     assert allowed.shape == (2, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 1, 3]
     assert allowed[1].nonzero().flatten().tolist() == [32]
+
+
+def test_device_and_cpu_masking_agree():
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (3, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(3, 100, generator=gen)
+    a = mask_rows(logits.clone(), bitmask)  # xgrammar's CPU kernel
+    b = mask_rows(logits.clone(), bitmask, cpu_kernel=False)  # the unpacking the GPU path runs
+    assert torch.equal(a, b)
+    assert torch.equal(torch.isfinite(b), allowed_from_bitmask(bitmask, 100))
 
 
 def test_drafts_are_cut_at_the_first_rejected_token(model_dir):
