@@ -11,8 +11,9 @@
 CPU (the bundled model):       python benchmarks/disagg_bench.py
 One H200, two processes sharing the card:
     python benchmarks/disagg_bench.py --device cuda --model llama-3-8b --load-format dummy \\
-        --gpu-memory-utilization 0.45 --prompt-len 1024 --max-tokens 128 --requests 64
-(the colocated instance then runs after the pair, with the same memory share, not beside it).
+        --gpu-memory-utilization 0.45 --prompt-len 1024 --max-tokens 128 --requests 64 --request-rate 4
+(the colocated instance then runs after the pair, with the same memory share, not beside it;
+--request-rate adds TTFT / ITL p50/p99 at a fixed Poisson rate through `tallyserve bench`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,23 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _rate_bench(url: str, trace: str, rate: float, out: str) -> dict:
+    """`tallyserve bench` over a token-id trace at a Poisson request rate (streaming): TTFT / ITL."""
+    from tallyserve.cli import main as cli_main
+
+    cli_main(["bench", "--base-url", url, "--workload", f"file:{trace}", "--request-rate", str(rate),
+              "--ignore-eos", "--disable-tqdm", "--output", out])
+    r = json.loads(open(out).read())
+    return {k: r[k] for k in ("completed", "errors", "duration_s", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
+                              "p99_itl_ms", "output_throughput")}
+
+
+def _write_trace(path: str, prompts: list[list[int]], max_tokens: int) -> None:
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"request_id": f"r{i}", "prompt_token_ids": p, "max_tokens": max_tokens}) + "\n")
+
+
 def bench_proxy(ns) -> dict:
     import random
 
@@ -166,6 +184,11 @@ def bench_proxy(ns) -> dict:
                              "--prefill", urls[0], "--decode", urls[1]], urls[2], logs))
         _latencies(urls[2], prompts[:2], ns.max_tokens)  # warm up (first handshake included here)
         disagg = _latencies(urls[2], [p[::-1] for p in prompts], ns.max_tokens)
+        rated = {}
+        if ns.request_rate:
+            trace = os.path.join(ns.out_dir, "rate_trace.jsonl")
+            _write_trace(trace, [[(t * 7 + 3) % 20000 + 10 for t in p] for p in prompts], ns.max_tokens)
+            rated["disagg"] = _rate_bench(urls[2], trace, ns.request_rate, os.path.join(ns.out_dir, "rate_disagg.json"))
         lines = httpx.get(urls[1] + "/metrics").text.splitlines()
         stats = dict(line.split(" ", 1) for line in lines if line.startswith("tallyserve_kv_connector_"))
         for p in procs:
@@ -174,6 +197,9 @@ def bench_proxy(ns) -> dict:
         procs = [_start(_serve_cmd(ns, ports[3], None), urls[3], logs)]
         _latencies(urls[3], prompts[:2], ns.max_tokens)
         colocated = _latencies(urls[3], [p[::-1] for p in prompts], ns.max_tokens)
+        if ns.request_rate:
+            rated["colocated"] = _rate_bench(urls[3], trace, ns.request_rate,
+                                             os.path.join(ns.out_dir, "rate_colocated.json"))
     finally:
         for p in procs:
             p.terminate()
@@ -183,7 +209,7 @@ def bench_proxy(ns) -> dict:
             "disagg_p50_s": _pct(disagg, 0.5), "disagg_p99_s": _pct(disagg, 0.99),
             "overhead_p50_ms": 1000 * (_pct(disagg, 0.5) - _pct(colocated, 0.5)),
             "overhead_mean_ms": 1000 * (statistics.mean(disagg) - statistics.mean(colocated)),
-            "decode_kv_counters": stats}
+            "decode_kv_counters": stats, "request_rate": ns.request_rate, "at_rate": rated}
 
 
 def main() -> None:
@@ -200,6 +226,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--request-rate", type=float, default=None,
+                    help="proxy: also send the requests (other tokens) at this Poisson rate through `tallyserve bench`, "
+                    "through the proxy and to the colocated instance: TTFT and ITL p50/p99")
+    ap.add_argument("--out-dir", default=os.environ.get("OUT") or "/tmp", help="where the rate traces and records go")
     ns = ap.parse_args()
     report = {}
     if ns.only in (None, "transfer"):

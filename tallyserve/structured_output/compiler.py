@@ -145,8 +145,8 @@ class GrammarCompileCache:
         try:
             if kind == "json":
                 grammar = c.compile_json_schema(spec, any_whitespace=not compact, strict_mode=True)
-            elif kind == "json_object":
-                grammar = c.compile_builtin_json_grammar()
+            elif kind == "json_object":  # a JSON object (any keys), as JSON mode answers; not an array or scalar
+                grammar = c.compile_json_schema('{"type": "object"}', any_whitespace=not compact, strict_mode=False)
             elif kind == "regex":
                 grammar = c.compile_regex(spec)
             elif kind == "choice":

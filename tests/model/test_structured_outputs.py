@@ -113,6 +113,11 @@ def test_json_object_is_a_json_object(model_dir):
     assert out.text.startswith("{")
     if out.finish_reason == "stop":
         assert isinstance(json.loads(out.text), dict)
+    # sampled too: an object every time, never an array, a string or a number (JSON mode's promise)
+    sampled = llm.generate(["Hello"] * 16, [SamplingParams(max_tokens=12, temperature=1.0, seed=i,
+                                                           structured_outputs=_so(json_object=True))
+                                            for i in range(16)])
+    assert all(o.outputs[0].text.lstrip().startswith("{") for o in sampled), [o.outputs[0].text for o in sampled]
     _check_ledger(llm)
 
 
