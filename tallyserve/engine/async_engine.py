@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import enum
 import logging
 import queue
 import threading
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from tallyserve.engine.errors import (EngineDeadError, FaultKind, QueueFullError,  # noqa: F401 - re-exported
+                                       RequestRejectedError, StepFailedError)
 from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MAX_JUMP, SEED_SECONDS_PER_TOKEN,
                                       HealthState)
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
@@ -36,28 +37,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
 _IDLE_WAIT_S = 0.1  # the idle loop wakes this often to beat its heart
-
-
-class EngineDeadError(RuntimeError):
-    """The loop thread is gone (or stopped); the request cannot be served."""
-
-
-class RequestRejectedError(ValueError):
-    """The engine refused the request (bad prompt, duplicate id, ...): a client error."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait than max_queue_len allows."""
-
-
-class StepFailedError(RuntimeError):
-    """An engine step failed; the request ended with finish_reason "error"."""
-
-
-class FaultKind(str, enum.Enum):
-    STEP_EXCEPTION = "step_exception"
-    KILL_LOOP = "kill_loop"
-    STALL = "stall"
 
 
 class _LoopKilled(Exception):
