@@ -30,6 +30,11 @@ import time
 
 import httpx
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as `python benchmarks/disagg_bench.py`: its workers import tallyserve too
+    sys.path.insert(0, REPO)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -92,10 +97,21 @@ def bench_transfer(ns) -> list[dict]:
              ctx.Process(target=_worker, args=("c", cb, shape, ns.kv_dtype, ns.device, "bench-c"))]
     for p in procs:
         p.start()
-    prod_meta, _ = pa.recv(), ca.recv()
+
+    def recv(conn, timeout: float = 300.0):
+        """The next message, or RuntimeError once a worker died or the timeout passed (never a hang)."""
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.5):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a transfer worker failed (exit codes {[p.exitcode for p in procs]})")
+        return conn.recv()
+
+    prod_meta, _ = recv(pa), recv(ca)
     ca.send(prod_meta)
     ca.send(list(ns.transfer_blocks))
-    results = ca.recv()
+    results = recv(ca)
     pa.send("done")
     for p in procs:
         p.join(30)
