@@ -59,19 +59,8 @@ class Llama3JsonToolParser(ToolParser):
             if not final and self.TAG.startswith(text[i:]):
                 return Parse(len(text), hold=len(text) - i)
             return Parse(len(text))  # plain content: calls only open the output
-        p = Parse(start, started=True)
-        while i < len(text):
-            call = scan_call(text, i, final)
-            p.calls.append(call)
-            if not call.complete:
-                return p
-            i = skip_ws(text, call.end)
-            if i >= len(text) or text[i] == "<":
-                return p  # the end, or a special token such as <|eom_id|>
-            if text[i] != ";":
-                raise Malformed(f"expected ';' between calls at {i}")
-            i = skip_ws(text, i + 1)
-        return p
+        # calls separated by ';', up to the end or a special token such as <|eom_id|>
+        return scan_calls(text, i, final, Parse(start, started=True), sep=";", end="<")
 
 
 def parse_call_array(text: str, i: int, final: bool, p: Parse) -> Parse:
@@ -80,17 +69,21 @@ def parse_call_array(text: str, i: int, final: bool, p: Parse) -> Parse:
         return p
     if text[i] != "[":
         raise Malformed(f"expected '[' at {i}")
-    i = skip_ws(text, i + 1)
+    return scan_calls(text, skip_ws(text, i + 1), final, p, sep=",", end="]")
+
+
+def scan_calls(text: str, i: int, final: bool, p: Parse, sep: str, end: str) -> Parse:
+    """Call objects from `text[i]` separated by `sep`, up to the text's end or `end`; appended to `p`."""
     while i < len(text):
         call = scan_call(text, i, final)
         p.calls.append(call)
         if not call.complete:
             return p
         i = skip_ws(text, call.end)
-        if i >= len(text) or text[i] == "]":
+        if i >= len(text) or text[i] == end:
             return p
-        if text[i] != ",":
-            raise Malformed(f"expected ',' or ']' at {i}")
+        if text[i] != sep:
+            raise Malformed(f"expected {sep!r} or {end!r} at {i}")
         i = skip_ws(text, i + 1)
     return p
 
