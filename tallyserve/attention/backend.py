@@ -85,10 +85,10 @@ class AttentionBackend(ABC):
 
 
 def _auto_backend(device) -> str:
-    """"triton" on CUDA when Triton imports, else the torch reference."""
+    """"triton" on CUDA when Triton imports, "cpu_sdpa" on the CPU, else the torch reference."""
     on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     if not on_cuda:
-        return "torch"
+        return "cpu_sdpa" if device is None or torch.device(device).type == "cpu" else "torch"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -97,16 +97,20 @@ def _auto_backend(device) -> str:
 
 
 def get_attn_backend(name: str = "torch", device=None) -> AttentionBackend:
-    """Backend by name: "torch" (reference), "triton" (GPU kernels), or "auto" (triton on CUDA,
-    torch otherwise; ``device`` is where the model runs, default: CUDA if available)."""
+    """Backend by name: "torch" (reference), "cpu_sdpa" (CPU), "triton" (GPU kernels), or "auto"
+    (triton on CUDA, cpu_sdpa on the CPU; ``device`` is where the model runs, default: CUDA if available)."""
     if name == "auto":
         name = _auto_backend(device)
     if name in ("torch", "torch_ref"):
         from tallyserve.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
+    if name == "cpu_sdpa":
+        from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+
+        return CpuSdpaBackend()
     if name == "triton":
         from tallyserve.attention.triton_attn import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: ['torch', 'triton', 'auto']")
+    raise ValueError(f"unknown attention backend {name!r}; available: ['torch', 'cpu_sdpa', 'triton', 'auto']")

@@ -270,10 +270,10 @@ def test_backend_registry():
 
     assert isinstance(get_attn_backend("triton"), TritonAttentionBackend)
     assert get_attn_backend("triton").supports_cuda_graph
-    assert get_attn_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attn_backend("auto", torch.device("cpu")).name == "cpu_sdpa"
     assert not get_attn_backend("torch").supports_cuda_graph
     if not torch.cuda.is_available():
-        assert get_attn_backend("auto").name == "torch"
+        assert get_attn_backend("auto").name == "cpu_sdpa"
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

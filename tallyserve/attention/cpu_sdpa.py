@@ -1,0 +1,111 @@
+"""CPU paged attention: whole KV blocks gathered with one `index_select` per request (or per batch of
+decode rows) and PyTorch's fused `scaled_dot_product_attention` (grouped-query heads without
+repeating K/V), instead of the reference's per-position gathers and einsums, which spend most of
+their time in index and copy kernels. Computes in float32 like the reference (`torch_ref.py`), which
+the tests compare it with; the default backend on the CPU.
+
+Positions past a request's length inside its gathered blocks (the last block's tail, the shorter
+requests of a decode batch, padded block-table entries) are masked out of the scores. Masking is
+exact only if what those slots hold is finite (0 * NaN is NaN), so this backend keeps the cache finite:
+the runner zero-fills it, and every K/V row written here has NaN / inf replaced by 0 (a row with NaN
+is garbage already; this keeps it from poisoning another request that later reuses its block).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
+from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.torch_ref import write_kv_cache
+
+# Upper bound on float32 score elements of one SDPA call's masked path (2**26 * 4 B = 256 MiB).
+_MAX_SCORE_ELEMS = 1 << 26
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [0, length) of one request: (Hkv, length, D) float32 views of one copy."""
+    bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    nb = -(-length // bs)
+    ids = block_ids[:nb].to(torch.long)
+    k = kv_cache[0].index_select(0, ids).view(nb * bs, hkv, d)[:length].float()
+    v = kv_cache[1].index_select(0, ids).view(nb * bs, hkv, d)[:length].float()
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def _attend_request(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of one request's query rows q (Lq, Hq, D) at positions [seq_len - Lq,
+    seq_len) over its context. Returns float32 (Lq, Hq, D)."""
+    num_q, num_heads, _ = q.shape
+    k, v = _gather(kv_cache, block_row, seq_len)
+    qs = q.float().transpose(0, 1)  # (Hq, Lq, D)
+    if num_q == seq_len:  # nothing cached before this chunk: plain causal attention
+        out = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    first = seq_len - num_q
+    out = torch.empty((num_heads, num_q, q.shape[2]), dtype=torch.float32)
+    piece = max(1, _MAX_SCORE_ELEMS // max(1, num_heads * seq_len))
+    k_pos = torch.arange(seq_len)
+    for start in range(0, num_q, piece):
+        end = min(num_q, start + piece)
+        allowed = k_pos[None, :] <= torch.arange(first + start, first + end)[:, None]  # (rows, L)
+        out[:, start:end] = F.scaled_dot_product_attention(qs[:, start:end], k, v, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                        scale: float) -> torch.Tensor:
+    """Single-row requests together: q (B, Hq, D), each over its whole context. Returns float32."""
+    batch, num_heads, d = q.shape
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    nb = -(-max(seq_lens) // bs)
+    ids = block_tables[:, :nb].reshape(-1).to(torch.long)
+    k = kv_cache[0].index_select(0, ids).view(batch, nb * bs, hkv, d).float()
+    v = kv_cache[1].index_select(0, ids).view(batch, nb * bs, hkv, d).float()
+    valid = torch.arange(nb * bs)[None, :] < torch.tensor(seq_lens)[:, None]  # (B, L)
+    out = F.scaled_dot_product_attention(q.float().view(batch, num_heads, 1, d), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.view(batch, num_heads, d)
+
+
+def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """As `torch_ref.paged_attention`: (T, Hq, D) in q's dtype, padding rows zero."""
+    out = torch.zeros_like(q)
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    decode = []
+    for i in range(meta.num_reqs):
+        lo, hi = starts[i], starts[i + 1]
+        if hi - lo > seq_lens[i]:
+            raise ValueError(f"request {i} has {hi - lo} query rows but seq_len {seq_lens[i]}")
+        if hi - lo == 1:
+            decode.append(i)
+        elif hi > lo:
+            out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], seq_lens[i], scale).to(q.dtype)
+    if decode:
+        widest = q.shape[1] + 2 * kv_cache.shape[3] * kv_cache.shape[4]  # scores and gathered K/V per position
+        step = max(1, _MAX_SCORE_ELEMS // max(1, widest * max(seq_lens[i] for i in decode)))
+        for p in range(0, len(decode), step):
+            group = decode[p:p + step]
+            rows = torch.tensor([starts[i] for i in group])
+            res = _attend_decode_rows(q[rows], kv_cache, meta.block_tables[torch.tensor(group)],
+                                      [seq_lens[i] for i in group], scale)
+            out[rows] = res.to(q.dtype)
+    return out
+
+
+class CpuSdpaBackend(AttentionBackend):
+    """Write the new K/V, then ``paged_attention_cpu``."""
+
+    name = "cpu_sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        check_attention_inputs(q, k, v, kv_cache, meta)
+        k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # the cache stays finite (see above)
+        v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention_cpu(q, kv_cache, meta, scale)

@@ -1,0 +1,71 @@
+"""The CPU attention backend (block gathers + fused SDPA) against a dense causal attention, on
+caches whose unwritten slots hold large stale values: fresh prefills, chunked prefills over a cached prefix,
+decode rows batched with other lengths, padding rows, GQA, bf16 caches, and the split of long
+queries / big decode batches into bounded pieces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tallyserve.attention.cpu_sdpa as cpu_sdpa
+from tallyserve.attention.backend import get_attn_backend
+from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+from tests.unit.test_attention_ref import dense_causal_attention, make_case
+
+
+def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, num_padding=0):
+    q, k, v, cache, meta, full_k, full_v = make_case(reqs, hq, hkv, d, block_size, dtype, seed, num_padding)
+    # Slots nobody wrote hold stale finite values here (the runner's caches start at zero and this
+    # backend writes only finite rows): large ones, so a read past a length would show.
+    stale = 1e4 * torch.randn(cache.shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    cache.copy_(torch.where(cache.isnan(), stale, cache))
+    scale = d ** -0.5
+    out = CpuSdpaBackend().forward(q, k, v, cache, meta, scale)
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    for i, (_, new) in enumerate(reqs):
+        lo = meta.query_start_loc_cpu[i]
+        ref = dense_causal_attention(q[lo:lo + new], full_k[i], full_v[i], scale)
+        torch.testing.assert_close(out[lo:lo + new].float(), ref, atol=atol, rtol=0, msg=f"request {i}")
+    if num_padding:
+        assert (out[meta.num_tokens:] == 0).all()
+
+
+def test_auto_picks_it_on_the_cpu():
+    assert get_attn_backend("auto", "cpu").name == "cpu_sdpa"
+    assert get_attn_backend("torch").name == "torch"
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (6, 1)])
+def test_mixed_prefill_and_decode(hq, hkv):
+    reqs = [(0, 7), (5, 1), (0, 1), (9, 6), (16, 1), (3, 13), (40, 1)]
+    check(reqs, hq, hkv, 64, block_size=4, seed=hq + hkv, num_padding=2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layouts(seed):
+    rng = random.Random(seed)
+    reqs = [(rng.choice([0, rng.randint(1, 50)]), rng.choice([1, 1, rng.randint(1, 24)]))
+            for _ in range(rng.randint(1, 8))]
+    check(reqs, 8, 2, 64, rng.choice([1, 3, 16]), seed=seed, num_padding=rng.randint(0, 3))
+
+
+def test_bfloat16_cache_computed_in_float32():
+    check([(0, 9), (12, 1), (5, 4)], 8, 2, 64, 4, dtype=torch.bfloat16, atol=2e-2, seed=3)
+
+
+def test_bounded_pieces(monkeypatch):
+    """Long chunks are split by query rows and big decode batches by requests; same results."""
+    monkeypatch.setattr(cpu_sdpa, "_MAX_SCORE_ELEMS", 300)
+    check([(10, 21), (0, 1), (30, 1), (7, 1), (0, 17)], 4, 2, 32, 4, seed=9)
+
+
+def test_nan_rows_are_not_written_into_the_cache():
+    """A NaN / inf K/V row is stored as 0, so a later owner of the block never reads NaN past its length."""
+    q, k, v, cache, meta, _, _ = make_case([(0, 5), (3, 1)], 4, 2, 32, 4, seed=4)
+    cache.zero_()
+    k[1, 0, 0], v[2, 1, 3], k[5, 1, 1] = float("nan"), float("inf"), float("-inf")
+    CpuSdpaBackend().forward(q, k, v, cache, meta, 32 ** -0.5)
+    assert torch.isfinite(cache).all()
