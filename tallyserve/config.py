@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,6 +34,18 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int, max_tokens: 
             f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or the completion length.", "max_tokens")
+
+
+def json_object_arg(name: str, value: Any, what: str = "a JSON object") -> dict:
+    """A dict given as a dict or as its JSON text (a flag's value); ValueError naming ``name``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
+    return value
 
 
 def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:

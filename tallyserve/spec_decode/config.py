@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from tallyserve.config import json_object_arg
 
 METHODS = ("ngram", "draft_model")
 
@@ -24,13 +25,7 @@ class SpeculativeConfig:
             return None
         if isinstance(raw, SpeculativeConfig):
             return raw
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config must be JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}")
+        raw = json_object_arg("speculative_config", raw)
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tallyserve.config import json_object_arg
 from tallyserve.sampling_params import StructuredOutputsParams
 
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -31,14 +32,7 @@ class GrammarKey(tuple):
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend: "
                              "use disable_any_whitespace for compact JSON")
         if kind == "json":
-            spec = params.json
-            if isinstance(spec, str):
-                try:
-                    spec = json.loads(spec)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            if not isinstance(spec, dict):
-                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(spec).__name__}")
+            spec = json_object_arg("structured_outputs.json", params.json, "a JSON schema object")
             text = json.dumps(spec, sort_keys=True, ensure_ascii=False)
         elif kind == "choice":
             text = json.dumps(list(params.choice), ensure_ascii=False)

@@ -9,10 +9,11 @@ Names follow vLLM so a deployment switches without relearning: ``kv_connector`` 
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from tallyserve.config import json_object_arg
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector", "FakeConnector")
@@ -53,13 +54,7 @@ class KVTransferConfig:
         """None, a KVTransferConfig, a dict or its JSON text; ValueError naming the bad key."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        value = json_object_arg("kv_transfer_config", value)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:
