@@ -5,6 +5,7 @@ cached; a dead producer or a dropped transfer recomputes on the decode side, not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -42,23 +43,30 @@ class Proxy:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        self.proc.kill()  # a failed start leaves nothing behind
+        self.proc.wait(10)
         raise RuntimeError("proxy did not become healthy")
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, server_logs):
     common = ("--served-model-name", MODEL, "--api-key", API_KEY, *BUDGET)
-    prefill = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_producer", "prefill-0"))
-    decode = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_consumer", "decode-0"))
-    proxy = Proxy(prefill.base_url, decode.base_url)
-    yield prefill, decode, proxy
-    proxy.stop()
-    decode.stop()
-    prefill.stop()
+    with contextlib.ExitStack() as stack:  # whatever started is stopped, even when a later start fails
+        prefill = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_producer", "prefill-0"))
+        stack.callback(prefill.stop)
+        decode = LiveServer(tiny_model_dir, server_logs, *common, *_kv("kv_consumer", "decode-0"))
+        stack.callback(decode.stop)
+        proxy = Proxy(prefill.base_url, decode.base_url)
+        stack.callback(proxy.stop)
+        yield prefill, decode, proxy
 
 
 def _client(url: str) -> openai.OpenAI:
