@@ -79,8 +79,10 @@ async def _consume_stream(resp: httpx.Response, record: RequestRecord, chat: boo
             return
         text = _chunk_text(chunk, chat)
         # A completion chunk that does not finish its choice carries a token even with empty text
-        # (a server without a tokenizer, or a partial UTF-8 character); a chat chunk counts with content.
-        if text or (not chat and chunk.get("choices") and _finish_reason(chunk) is None):
+        # (a server without a tokenizer, or a partial UTF-8 character), and so does a finishing one
+        # when nothing came before it (the whole answer in one chunk); a chat chunk counts with content.
+        if text or (not chat and chunk.get("choices")
+                    and (_finish_reason(chunk) is None or record.ttft_s is None)):
             if record.ttft_s is None:
                 record.ttft_s = now - sent
             record.chunk_times_s.append(now - t0)

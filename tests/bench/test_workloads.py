@@ -122,3 +122,37 @@ def test_validation():
     with pytest.raises(ValueError, match="random_range_ratio"):
         build_workload(_opts(random_range_ratio=1.5))
     assert sample_len(__import__("random").Random(0), 1, 0.9) >= 1
+
+
+def _stream_record(chunks, chat=False):
+    """send_request over a fake server that streams `chunks` (dicts) then [DONE]."""
+    import asyncio
+    import json as _json
+
+    import httpx
+
+    from tallyserve.bench.client import send_request
+    from tallyserve.bench.metrics import RequestRecord
+
+    body = "".join(f"data: {_json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda req: httpx.Response(200, text=body,
+                                                               headers={"content-type": "text/event-stream"}))
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            payload = {"messages": []} if chat else {"prompt": [1, 2]}
+            return await send_request(client, "http://x/v1", payload, RequestRecord("r"), 0.0)
+    return asyncio.run(go())
+
+
+def test_ttft_of_streams_without_text():
+    """A server without a tokenizer streams empty text: each chunk still marks tokens, and an answer
+    that arrives whole in its finishing chunk still has a TTFT; a chat role-only chunk does not count."""
+    one = _stream_record([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}])
+    assert one.ttft_s is not None and len(one.chunk_times_s) == 1 and one.error is None
+    two = _stream_record([{"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+                          {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}])
+    assert two.ttft_s is not None and len(two.chunk_times_s) == 1  # the finishing empty chunk after it adds none
+    chat = _stream_record([{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                           {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}], chat=True)
+    assert chat.ttft_s is not None and len(chat.chunk_times_s) == 1
