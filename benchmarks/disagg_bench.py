@@ -2,7 +2,8 @@
 
 1. ``transfer``: KV transfer bandwidth of the NixlConnector's own path. Two processes each build a
    NixlConnectorWorker over KV caches of a model's shape; the consumer READs N blocks from the
-   producer (one descriptor per layer, K/V and block, as a real load) and reports GB/s per size.
+   producer as a real load and reports GB/s per size, for blocks consecutive on both sides (one
+   descriptor per layer and K/V half) and scattered ones (one per layer, K/V half and block).
 2. ``proxy``: per-request overhead of the proxy path. A kv_producer, a kv_consumer and `tallyserve
    proxy`, plus one colocated instance, as separate processes; the same greedy requests go to the
    colocated instance and through the proxy, one at a time; the report gives latency p50/p99 of
@@ -64,12 +65,17 @@ def _worker(role: str, conn, shape, dtype_name: str, device: str, engine_id: str
         return
     w.add_remote(conn.recv())
     results = []
-    for n in conn.recv():
+    import random
+
+    for n, pattern in [(n, p) for n in conn.recv() for p in ("contiguous", "scattered")]:
         ids = tuple(range(n))
+        # scattered: the producer's blocks in a random order, so no two neighbours stay neighbours (one
+        # descriptor per block and layer half); contiguous: one descriptor per layer half
+        far = ids if pattern == "contiguous" else tuple(random.Random(n).sample(ids, n))
         best = float("inf")
         for rep in range(3):
-            load = RemoteKVLoad(f"r{n}-{rep}", ids, ids, 0, n * block_size,
-                                {"remote_engine_id": "bench-p", "remote_request_id": f"r{n}-{rep}",
+            load = RemoteKVLoad(f"r{n}-{pattern}-{rep}", ids, far, 0, n * block_size,
+                                {"remote_engine_id": "bench-p", "remote_request_id": f"r{n}-{pattern}-{rep}",
                                  "remote_host": "127.0.0.1", "remote_port": 1})
             t0 = time.perf_counter()
             w.start_load_kv(KVConnectorMetadata(loads=(load,)))
@@ -81,7 +87,7 @@ def _worker(role: str, conn, shape, dtype_name: str, device: str, engine_id: str
             assert not out.failed_recving, out.failed_recving
         nbytes = 2 * layers * n * caches[0][0, 0].numel() * caches[0].element_size()
         ok = bool((caches[-1][:, :n] == layers).all())
-        results.append({"blocks": n, "bytes": nbytes, "seconds": best, "GB_per_s": nbytes / best / 1e9, "ok": ok})
+        results.append({"blocks": n, "pattern": pattern, "bytes": nbytes, "seconds": best, "GB_per_s": nbytes / best / 1e9, "ok": ok})
     conn.send(results)
 
 
@@ -189,7 +195,7 @@ def bench_proxy(ns) -> dict:
     prompts = [[rng.randrange(10, 20000) for _ in range(ns.prompt_len)] for _ in range(ns.requests)]
     ports = [_free_port() for _ in range(4)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    logs = open(os.devnull, "w")
+    logs = open(os.path.join(ns.out_dir, "disagg_servers.log"), "w")  # the servers' output, for a failed start
     procs = []
     try:
         procs.append(_start(_serve_cmd(ns, ports[0], {"kv_role": "kv_producer", "engine_id": "bench-prefill"}),
@@ -251,7 +257,7 @@ def main() -> None:
     if ns.only in (None, "transfer"):
         report["transfer"] = bench_transfer(ns)
         for r in report["transfer"]:
-            print(f"transfer {r['blocks']:4d} blocks {r['bytes'] / 1e6:8.2f} MB  {r['seconds'] * 1e3:8.2f} ms  "
+            print(f"transfer {r['blocks']:4d} blocks {r['pattern']:10s} {r['bytes'] / 1e6:8.2f} MB  {r['seconds'] * 1e3:8.2f} ms  "
                   f"{r['GB_per_s']:6.2f} GB/s  {'ok' if r['ok'] else 'WRONG BYTES'}")
     if ns.only in (None, "proxy"):
         report["proxy"] = bench_proxy(ns)

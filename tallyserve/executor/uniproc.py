@@ -14,6 +14,7 @@ from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, num_host_blocks
+from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
 
 
@@ -30,6 +31,7 @@ class UniProcExecutor(Executor):
                eos_token_ids: tuple[int, ...]) -> tuple["UniProcExecutor", EngineConfig]:
         """Load the model on ``device``, size the KV pool, resolve the engine config, build the runner."""
         mc = resolved.model_config
+        record_memory_baseline(device)  # what other processes hold on the card is not ours
         model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device))
         if device.type == "cuda":
             model.enable_fused_kernels()  # fused add+RMSNorm, RoPE, SiLU-mul; TALLYSERVE_FUSED_KERNELS=0 turns off

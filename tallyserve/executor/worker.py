@@ -51,6 +51,7 @@ def _init(spec: WorkerSpec):
     from tallyserve.distributed import parallel_state as ps
     from tallyserve.models.loader import load_model, resolve_model
     from tallyserve.runner.model_runner import determine_num_blocks, num_host_blocks
+    from tallyserve.runner.memory import record_memory_baseline
 
     args, device = spec.args, torch.device(spec.device)
     if device.type == "cpu":
@@ -60,6 +61,7 @@ def _init(spec: WorkerSpec):
     group = ps.get_tp_group() if ps.default_backend(device) == "gloo" else dist.new_group(backend="gloo")
     resolved = resolve_model(args.model, args.load_format)
     torch.manual_seed(args.seed)
+    record_memory_baseline(device)  # what other processes hold on the card is not ours
     model = load_model(resolved, args.load_format, spec.dtype, device, args.seed, get_attn_backend("auto", device),
                        tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
     if device.type == "cuda":

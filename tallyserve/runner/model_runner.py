@@ -16,6 +16,7 @@ from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
+from tallyserve.runner.memory import kv_budget_bytes
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
 from tallyserve.runner.prompt_logprobs import compute_prompt_logprobs
 from tallyserve.runner.rejection_sampler import verify_drafts
@@ -118,9 +119,7 @@ def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: to
         else:  # estimate: activations of a full token budget (logits dominate at large vocab)
             tokens = args.max_num_batched_tokens or 8192
             activations = tokens * (model_config.vocab_size * 4 + model_config.intermediate_size * 12)
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * args.gpu_memory_utilization) - used - activations
+        budget = kv_budget_bytes(device, args.gpu_memory_utilization, activations)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // per_block
