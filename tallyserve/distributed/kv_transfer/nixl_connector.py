@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,8 +51,16 @@ def contiguous_runs(local: Sequence[int], remote: Sequence[int]) -> tuple[list[t
     return mine, theirs
 
 
+# UCX moves GPU memory between processes of one node with CUDA IPC, but turns off its GET (what a
+# consumer's READ is) on a GPU without active NVLink peers, e.g. prefill and decode sharing one card,
+# and the READ then crawls through host TCP (about 0.5 GB/s). Turned on unless the user set it.
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
 def load_nixl():
     """The NIXL agent classes (nixl-cu13 wheel); ImportError with the install line if absent."""
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # read by UCX when the agent creates its context
     try:
         from nixl_cu13._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
