@@ -13,7 +13,20 @@ import torch
 import tallyserve.attention.cpu_sdpa as cpu_sdpa
 from tallyserve.attention.backend import get_attn_backend
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+from tallyserve.attention import cpu_kernels
 from tests.unit.test_attention_ref import dense_causal_attention, make_case
+
+KERNEL = cpu_kernels.load()
+
+
+@pytest.fixture(autouse=True, params=["kernel", "gather"])
+def path(request, monkeypatch):
+    """Every case runs on both float32 paths: the compiled in-place kernel and the gather + SDPA one."""
+    if request.param == "kernel" and not KERNEL:
+        pytest.skip("the CPU kernels could not be built here")
+    if request.param == "gather":
+        monkeypatch.setattr(cpu_sdpa, "_use_kernel", lambda q, kv: False)
+    return request.param
 
 
 def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, num_padding=0):
@@ -31,6 +44,24 @@ def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, 
         torch.testing.assert_close(out[lo:lo + new].float(), ref, atol=atol, rtol=0, msg=f"request {i}")
     if num_padding:
         assert (out[meta.num_tokens:] == 0).all()
+
+
+def test_the_kernel_builds_where_a_compiler_is(path):
+    """CI machines have g++: the kernel path must be the one tested there, not silently skipped."""
+    import shutil
+    if shutil.which("c++") or shutil.which("g++"):
+        assert KERNEL
+
+
+def test_kernel_refuses_bad_block_ids(path):
+    if path != "kernel":
+        pytest.skip("the kernel's own check")
+    q, k, v, cache, meta, _, _ = make_case([(3, 1)], 4, 2, 32, 4, seed=1)
+    bad = meta.block_tables.clone().to(torch.int32)
+    bad[0, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), cache, bad, torch.tensor([0, 1]), torch.tensor([4]),
+                                                 0.1)
 
 
 def test_auto_picks_it_on_the_cpu():
