@@ -14,6 +14,7 @@ from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, num_host_blocks
+from tallyserve.runner.cpu_threads import CpuThreadGovernor
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput
 
@@ -23,6 +24,8 @@ class UniProcExecutor(Executor):
         self.runner = runner
         self.overlaps_host = runner.device.type == "cuda"
         self.kv_connector = kv_connector  # the worker half of disaggregated serving, if configured
+        # on the CPU the forward's thread count follows the cores other processes leave free
+        self.cpu_threads = CpuThreadGovernor() if runner.device.type == "cpu" else None
         if kv_connector is not None:
             kv_connector.register_kv_caches(runner.kv_caches)
 
@@ -72,6 +75,8 @@ class UniProcExecutor(Executor):
 
     def launch(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
+        if self.cpu_threads is not None:
+            self.cpu_threads.step()
         return self.runner.launch(so, prepared, prev, draft_probs)
 
     @property

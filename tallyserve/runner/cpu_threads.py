@@ -1,0 +1,106 @@
+"""How many threads the CPU forward pass uses, following the cores other processes leave free.
+
+PyTorch's intra-op threads meet at a barrier after every operator. When another process takes a core,
+one of them is descheduled for whole scheduler slices while the other waits at the barrier, and a
+forward pass of many small operators slows down several-fold (a 2-core machine with one busy loop beside
+it ran a workload 3-7x slower with 2 threads, where 1 thread would have been about 1.8x). So every
+half second or more the governor reads how much CPU time the machine spent outside this process
+(``/proc/stat`` against this process's own CPU time) and uses the cores left over:
+``threads = clamp(floor(cores - others + 0.3), 1, max_threads)``, changed only after two windows agree.
+
+``TALLYSERVE_CPU_THREADS``: ``auto`` (the default) adapts up to the thread count at start; a number pins it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WINDOW_S = 0.5
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def read_machine_busy_seconds() -> Optional[float]:
+    """CPU seconds all cores spent busy since boot (``/proc/stat``), or None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    vals = [int(x) for x in fields[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    guest = sum(vals[8:10]) if len(vals) > 9 else 0  # already counted in user / nice
+    return (sum(vals) - idle - guest) / _HZ  # steal counts as busy: a core the hypervisor gave away
+
+
+def threads_for(cores: int, others: float, max_threads: int) -> int:
+    """Threads to use when other processes take ``others`` cores' worth of CPU on a ``cores``-core machine."""
+    return max(1, min(max_threads, math.floor(cores - others + 0.3)))
+
+
+class CpuThreadGovernor:
+    def __init__(self, max_threads: Optional[int] = None,
+                 busy_seconds: Callable[[], Optional[float]] = read_machine_busy_seconds,
+                 own_seconds: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        setting = os.environ.get("TALLYSERVE_CPU_THREADS", "auto").strip().lower()
+        self.max_threads = max_threads or torch.get_num_threads()
+        self.enabled = setting == "auto"
+        if not self.enabled:
+            try:
+                pinned = int(setting)
+            except ValueError:
+                raise ValueError(f"TALLYSERVE_CPU_THREADS must be 'auto' or a number of threads, got {setting!r}")
+            if pinned < 1:
+                raise ValueError(f"TALLYSERVE_CPU_THREADS must be at least 1, got {pinned}")
+            set_threads(pinned)
+            self.max_threads = pinned
+        self._busy, self._own, self._clock, self._set = busy_seconds, own_seconds, clock, set_threads
+        try:
+            self.cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            self.cores = os.cpu_count() or 1
+        self.threads = self.max_threads
+        self._mark = self._sample()
+        self._pending: Optional[int] = None
+        self.changes = 0
+
+    def _sample(self) -> Optional[tuple[float, float, float]]:
+        busy = self._busy()
+        return None if busy is None else (self._clock(), busy, self._own())
+
+    def step(self) -> int:
+        """Call once per forward pass; returns the thread count now in use."""
+        if not self.enabled or self._mark is None or self.max_threads <= 1:
+            return self.threads
+        now = self._clock()
+        if now - self._mark[0] < WINDOW_S:
+            return self.threads
+        cur = self._sample()
+        if cur is None:
+            return self.threads
+        wall = cur[0] - self._mark[0]
+        others = max(0.0, (cur[1] - self._mark[1]) - (cur[2] - self._mark[2])) / wall
+        self._mark = cur
+        want = threads_for(self.cores, others, self.max_threads)
+        if want == self.threads:
+            self._pending = None
+        elif self._pending == want:  # two windows in a row agree
+            logger.info("CPU threads %d -> %d (other processes use %.2f of %d cores)", self.threads, want, others,
+                        self.cores)
+            self._set(want)
+            self.threads, self._pending = want, None
+            self.changes += 1
+        else:
+            self._pending = want
+        return self.threads
