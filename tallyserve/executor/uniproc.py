@@ -14,10 +14,12 @@ from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, num_host_blocks
-from tallyserve.runner.outputs import AsyncModelRunnerOutput
+from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 
 
 class UniProcExecutor(Executor):
+    defers_sampling = True
+
     def __init__(self, runner: ModelRunner, kv_connector=None) -> None:
         self.runner = runner
         self.overlaps_host = runner.device.type == "cuda"
@@ -71,6 +73,10 @@ class UniProcExecutor(Executor):
     def launch(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
         return self.runner.launch(so, prepared, prev, draft_probs)
+
+    def launch_forward(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
+                       draft_probs: Optional[dict[str, torch.Tensor]] = None) -> PendingForward:
+        return self.runner.launch_forward(so, prepared, prev, draft_probs)
 
     @property
     def bytes_moved(self) -> int:

@@ -31,8 +31,9 @@ IDLE_COMPILE_WAIT_S = 0.05
 class StructuredOutputHooks:
     def __init__(self, engine: "LLMEngine") -> None:
         self.engine = engine
+        pin = engine.device.type == "cuda" and engine.executor.defers_sampling  # the runner shares this process
         self.manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
-                                               engine.eos_token_ids)
+                                               engine.eos_token_ids, pin_memory=pin)
         self.waiting: dict[str, Future] = {}  # parent request id -> its grammar's future
         # The offline LLM compiles at add time, so a bad constraint is a ValueError there; the
         # server validates before adding, and the engine itself never waits for a compile.
