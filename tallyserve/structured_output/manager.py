@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from tallyserve.sampling_params import StructuredOutputsParams
@@ -236,7 +237,7 @@ class StructuredOutputManager:
                 self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch.batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
             if json_rows and self._json_words is not None:
-                bitmask[json_rows] &= self._json_words
+                _and_rows(bitmask, json_rows, self._json_words)
         return GrammarBitmask(frozenset(e.request_id for e in entries), bitmask)
 
     def uploaded(self) -> None:
@@ -279,6 +280,19 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._cache is not None:
             self._cache.shutdown()
+
+
+def _and_rows(bitmask: torch.Tensor, rows: list[int], words: torch.Tensor) -> None:
+    """``bitmask[rows] &= words`` in place, one numpy slice per run of consecutive rows: a gather
+    and a scatter of every row, or torch's thread pool for a small elementwise operation, would
+    cost more than the fill itself."""
+    host, w = bitmask.numpy(), words.numpy()
+    start = prev = rows[0]
+    for r in rows[1:] + [-1]:
+        if r != prev + 1:
+            np.bitwise_and(host[start:prev + 1], w, out=host[start:prev + 1])
+            start = r
+        prev = r
 
 
 def _no_control_words(decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
