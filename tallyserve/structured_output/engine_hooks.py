@@ -5,6 +5,8 @@ scheduled and the ledger charges nothing for it. Each step the engine admits the
 grammar is ready (one matcher per sequence) and fails those whose grammar did not compile.
 After a step, a sequence whose matcher reached its end state is finished ("stop"), and one whose
 token the grammar rejected (it cannot happen while the bitmask is applied) fails with an error.
+Under async scheduling the step after it may already hold a row for that sequence: stopping it
+here drops that row's token (its placeholder goes, and the scheduler ignores the row's result).
 """
 
 from __future__ import annotations
