@@ -12,9 +12,12 @@ import math
 
 import jsonschema
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tallyserve import LLM, SamplingParams, StructuredOutputsParams
-from tests.model.test_structured_outputs import CHOICES, PERSON, PROMPTS, _check_ledger
+from tests.model.test_structured_outputs import CHOICES, EBNF, PERSON, PROMPTS, _check_ledger
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -222,3 +225,63 @@ def test_a_failed_step_fails_its_requests_and_the_next_step_still_samples(model_
     assert again.error is None
     jsonschema.validate(json.loads(again.outputs[0].text), PERSON)
     _check_ledger(llm)
+
+
+@pytest.fixture(scope="module")
+def manager(model_dir):
+    """The engine's structured-output manager and a looping grammar compiled by it."""
+    m = LLM(model=model_dir, block_size=4).engine.structured.manager
+    return m, m.compile(StructuredOutputsParams(grammar=EBNF))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_batched_matcher_advance_equals_replaying_each_sequence(manager, data):
+    """Whatever happens to the sequences between two steps (one new token each, several, none, or
+    tokens cut by a stop string), ``advance`` leaves every matcher where a fresh matcher fed the
+    sequence's output tokens would be: same tokens, same next-token bitmask."""
+    import xgrammar as xgr
+
+    from tallyserve.request import Request
+    from tallyserve.structured_output.bitmask import allowed_from_bitmask
+
+    m, compiled = manager
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar=EBNF))
+    reqs = [Request(f"h{i}", [1, 2, 3], params, max_tokens=64, eos_token_ids=m.eos_token_ids) for i in range(3)]
+    for r in reqs:
+        m.register(r.request_id, compiled, "grammar")
+
+    def replay(r):
+        matcher = xgr.GrammarMatcher(compiled)
+        for t in r.output_token_ids:
+            assert matcher.accept_token(t)
+        mask = xgr.allocate_token_bitmask(1, m.vocab_size)
+        if not matcher.is_terminated():  # (an ended matcher has no next-token mask)
+            matcher.fill_next_token_bitmask(mask, 0)
+        return matcher, mask
+
+    try:
+        for _ in range(data.draw(st.integers(1, 10))):
+            for r in reqs:
+                action = data.draw(st.sampled_from(["one", "one", "two", "cut", "none"]))
+                if action == "cut" and r.output_token_ids:
+                    del r.all_token_ids[-data.draw(st.integers(1, len(r.output_token_ids))):]
+                for _ in range({"one": 1, "two": 2}.get(action, 0)):
+                    matcher, mask = replay(r)
+                    if matcher.is_terminated():
+                        break
+                    allowed = allowed_from_bitmask(mask, m.vocab_size)[0].nonzero().flatten().tolist()
+                    r.all_token_ids.append(data.draw(st.sampled_from(allowed)))
+            m.advance(reqs)
+            for r in reqs:
+                state = m.states[r.request_id]
+                assert state.error is None and state.tokens == r.output_token_ids
+                want_matcher, want = replay(r)
+                got = xgr.allocate_token_bitmask(1, m.vocab_size)
+                if not want_matcher.is_terminated():
+                    state.matcher.fill_next_token_bitmask(got, 0)
+                    assert torch.equal(got, want)
+                assert state.matcher.is_terminated() == want_matcher.is_terminated()
+    finally:
+        for r in reqs:
+            m.forget(r.request_id)
