@@ -11,8 +11,9 @@ exact; a matcher that cannot roll back far enough is rebuilt and replayed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -53,6 +54,11 @@ class StructuredOutputManager:
         self.states: dict[str, RequestGrammar] = {}
         self._json_words: Optional[torch.Tensor] = None
         self._fill_threads = fill_threads
+        # Matcher updates of a large step run on a few threads (a quarter of the cores, at most 4;
+        # none on a small machine), from this many rows on.
+        self.accept_threads = min(4, (os.cpu_count() or 1) // 4)
+        self.parallel_accept_min_rows = 64
+        self._accept_pool: Optional[ThreadPoolExecutor] = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
         # pinned on CUDA: the step's rows are filled in place and uploaded with one non-blocking copy
         self._buffers = HostBitmaskBuffers((vocab_size + 31) // 32, pin_memory)
@@ -191,13 +197,27 @@ class StructuredOutputManager:
                 self.sync(req)
         if not matchers:
             return
-        import xgrammar as xgr
-
-        for st, token, ok in zip(states, tokens, xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)):
+        for st, token, ok in zip(states, tokens, self._accept(matchers, tokens)):
             if ok:
                 st.tokens.append(token)
             else:
                 st.error = f"the grammar rejected output token {token} at position {len(st.tokens)}"
+
+    def _accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """``batch_accept_token`` of xgrammar (which releases the GIL), split over the accept threads
+        in contiguous chunks when there are many rows; each matcher is touched by one thread only."""
+        import xgrammar as xgr
+
+        accept = xgr.BatchGrammarMatcher.batch_accept_token
+        threads = self.accept_threads
+        if threads < 2 or len(matchers) < self.parallel_accept_min_rows:
+            return accept(matchers, tokens)
+        if self._accept_pool is None:
+            self._accept_pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-accept")
+        size = -(-len(matchers) // threads)
+        futures = [self._accept_pool.submit(accept, matchers[i:i + size], tokens[i:i + size])
+                   for i in range(0, len(matchers), size)]
+        return [ok for f in futures for ok in f.result()]
 
     def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
         """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
@@ -280,6 +300,8 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._cache is not None:
             self._cache.shutdown()
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
 
 
 def _and_rows(bitmask: torch.Tensor, rows: list[int], words: torch.Tensor) -> None:
