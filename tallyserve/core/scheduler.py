@@ -48,6 +48,11 @@ class Scheduler:
         # by a new request once the old one ended; its results must not reach the new one).
         self._in_flight: dict[int, tuple[Request, ...]] = {}
         self._finished_ids: list[str] = []  # finished since the last non-empty step (for the runner)
+        # Structured outputs under async scheduling: a request with a grammar is scheduled like any
+        # other while its token is in flight (the engine core fills its bitmask once that token is on
+        # the host, while the step's forward pass runs). True only for an executor that cannot split
+        # a step's forward pass and sampling: such a request then waits for its token.
+        self.grammar_waits = False
         # vLLM's partial prefill knobs. Off (max_num_partial_prefills 1, long_prefill_token_threshold 0):
         # the loops below take exactly today's decisions (a chunk is only ever cut by the budget, so at
         # most one request is mid-prefill anyway).
@@ -97,7 +102,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
             if req.num_output_placeholders and (ends_by_length(req, req.num_tokens, self.config.max_model_len)
-                                                or req.sampling_params.structured_outputs is not None):
+                                                or (self.grammar_waits and req.sampling_params.structured_outputs is not None)):
                 idx += 1  # its in-flight token is its last one, or its grammar must see that token first
                 continue
             needed = ledger.query_tokens(req.num_tokens, req.num_computed_tokens, len(req.spec_token_ids))

@@ -1,5 +1,6 @@
 """EngineCore: the only step loop. schedule -> ledger check -> executor launch -> complete ->
-Scheduler.update, with step-failure accounting in one place.
+Scheduler.update, with step-failure accounting in one place. Structured outputs split the launch:
+forward pass, then (after the previous step completed) the grammar bitmask and the sampling.
 
 Synchronous scheduling is async scheduling whose step completes at once: the same launch and
 the same completion, only the in-flight slot is skipped. The server's engine, the offline LLM,
@@ -20,13 +21,13 @@ import torch
 from tallyserve.core import ledger
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.core.scheduler import Scheduler
-from tallyserve.executor.abstract import Executor, ExecutorDeadError, StepHandle
+from tallyserve.executor.abstract import DeferredSample, Executor, ExecutorDeadError, StepHandle
 from tallyserve.request import Request
 from tallyserve.runner.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-TIMING_KEYS = ("schedule", "launch", "wait", "update")
+TIMING_KEYS = ("schedule", "launch", "wait", "update", "grammar")
 KV_IDLE_WAIT_S = 0.002  # an empty step while only KV transfers are pending: do not spin
 
 
@@ -57,7 +58,8 @@ class StepResult:
 class _Launched:
     so: SchedulerOutput
     scheduled: dict[str, Request]
-    handle: StepHandle
+    handle: Optional[StepHandle]  # None until a deferred step is sampled
+    deferred: Optional[DeferredSample] = None  # forward queued; grammar rows wait for their bitmask
 
 
 class EngineCore:
@@ -80,7 +82,9 @@ class EngineCore:
     # ----------------------------------------------------------------- the loop
     def step(self, async_scheduling: bool = False) -> list[StepResult]:
         """One iteration. Async: schedule and launch step N+1, then complete step N (its tokens
-        were on the device meanwhile). Sync: a step in flight is completed first (and alone)."""
+        were on the device meanwhile). Sync: a step in flight is completed first (and alone).
+        A step with grammar rows launches its forward pass only; once step N's results are applied
+        (its tokens accepted by the matchers), the bitmask is filled and the sampling queued."""
         self.active = []
         if not async_scheduling and self.inflight is not None:
             prev, self.inflight = self.inflight, None
@@ -100,14 +104,24 @@ class EngineCore:
             self.executor.flush_transfers()
         self.timings["launch"] += time.perf_counter() - t1
         kv_failed = self._kv_connector_step(so)  # after the step's block moves: an evicted block is offloaded first
-        prev = launched
+        results = []
         if async_scheduling:
             prev, self.inflight = self.inflight, launched
-        results = []
-        if prev is not None:
-            results.append(self._complete(prev))
-        elif so.is_empty and so.kv_transfers:
-            self.scheduler.update(so, {})
+            if prev is not None:  # its tokens reach the host while this step's forward runs
+                results.append(self._complete(prev))
+            elif so.is_empty and so.kv_transfers:
+                self.scheduler.update(so, {})
+        if launched is not None and launched.deferred is not None:
+            failure = self._sample_deferred(launched)  # grammar bitmask now: the matchers saw prev's tokens
+            if failure is not None:
+                launched = None
+                if async_scheduling:
+                    self.inflight = None
+        if not async_scheduling:
+            if launched is not None:
+                results.append(self._complete(launched))
+            elif so.is_empty and so.kv_transfers:
+                self.scheduler.update(so, {})
         if failure is not None:  # after the previous step's results: what stopped there stays stopped
             results.append(self._fail(so, scheduled, failure[0], transfers_ran=failure[1]))
         if kv_failed is not None:
@@ -146,17 +160,46 @@ class EngineCore:
             ledger.check_step(so.total_tokens, prepared.num_tokens, so.max_num_batched_tokens)
             if self.fault_injector is not None:
                 self.fault_injector(so)
-            run_so = so
-            if self.grammar is not None:  # the rows with a grammar sample under its token bitmask
-                bitmask = self.grammar.bitmask_for(so, scheduled)
-                if bitmask is not None:
-                    run_so = dataclasses.replace(so, grammar_bitmask=bitmask)
-            handle = self.executor.launch(run_so, prepared, prev, self.drafts.draft_probs_for(so))
+            drafts = self.drafts.draft_probs_for(so)
+            if self.grammar is not None and self.grammar.needs_bitmask(so):
+                if self.executor.defers_sampling:  # the bitmask is filled after the step in flight completes
+                    return _Launched(so, scheduled, None, self.executor.launch_forward(so, prepared, prev, drafts)), None
+                # the scheduler holds grammar rows back while their token is in flight (Scheduler.grammar_waits)
+                run_so = self._with_bitmask(so, scheduled)
+                handle = self.executor.launch(run_so, prepared, prev, drafts)
+                self.grammar.uploaded()
+                return _Launched(so, scheduled, handle), None
+            handle = self.executor.launch(so, prepared, prev, drafts)
             return _Launched(so, scheduled, handle), None
         except ExecutorDeadError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
             return None, (exc, True)
+
+    def _with_bitmask(self, so: SchedulerOutput, scheduled: dict[str, Request]) -> SchedulerOutput:
+        """``so`` with the grammar bitmask of its rows attached (the matchers accept the tokens
+        their requests have on the host first)."""
+        t0 = time.perf_counter()
+        bitmask = self.grammar.bitmask_for(so, scheduled)
+        self.timings["grammar"] += time.perf_counter() - t0
+        return so if bitmask is None else dataclasses.replace(so, grammar_bitmask=bitmask)
+
+    def _sample_deferred(self, launched: _Launched) -> Optional[tuple[Exception, bool]]:
+        """Fill the bitmask of a step whose forward pass is queued and queue its sampling. Runs
+        after the previous step's results were applied, so every grammar row's matcher has
+        accepted its request's newest token; the host work overlaps this step's forward pass."""
+        deferred, launched.deferred = launched.deferred, None
+        try:
+            run_so = self._with_bitmask(launched.so, launched.scheduled)
+            t0 = time.perf_counter()
+            launched.handle = deferred.sample(run_so)
+            self.grammar.uploaded()
+            self.timings["launch"] += time.perf_counter() - t0
+            return None
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fails only this step's requests
+            return exc, True
 
     def _complete(self, launched: _Launched) -> StepResult:
         """Wait for a launched step's results, then update the scheduler."""

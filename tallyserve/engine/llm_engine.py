@@ -89,6 +89,7 @@ class LLMEngine:
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
         self.structured = StructuredOutputHooks(self)  # grammars: compile off the loop, bitmasks per step
         self.core.grammar = self.structured.manager
+        self.scheduler.grammar_waits = not self.executor.defers_sampling  # async: see Scheduler.grammar_waits
         if self.spec is not None:
             self.spec.structured = self.structured.manager
         self._parents: dict[str, ParentState] = {}

@@ -4,7 +4,8 @@ Three implementations share it: the in-process model executor (one ModelRunner),
 multi-process executor (one worker per tensor-parallel rank) and the simulator's cost-model
 executor. A step goes ``apply_transfers`` -> ``prepare`` (the batch, whose token count the
 core checks against the ledger) -> ``launch`` (forward and sampling, queued) -> the handle's
-``result()`` (a ModelRunnerOutput on the host).
+``result()`` (a ModelRunnerOutput on the host). An executor may split ``launch`` in two
+(``launch_forward``, then the sampling): structured outputs fill their bitmask in between.
 """
 
 from __future__ import annotations
@@ -38,9 +39,18 @@ class StepHandle(Protocol):
     def result(self) -> ModelRunnerOutput: ...
 
 
+class DeferredSample(Protocol):
+    """A launched forward pass whose sampling waits (runner/outputs.py: PendingForward)."""
+
+    def sample(self, so: SchedulerOutput) -> StepHandle: ...
+
+
 class Executor(ABC):
     #: True when a launched step overlaps the host's work (CUDA): async scheduling pays off.
     overlaps_host: bool = False
+    #: True when ``launch_forward`` splits a step: a grammar's bitmask is filled while its forward
+    #: pass runs, so async scheduling need not hold grammar rows back until their token is in.
+    defers_sampling: bool = False
 
     @abstractmethod
     def apply_transfers(self, transfers: KVTransfers) -> None:
@@ -54,6 +64,12 @@ class Executor(ABC):
     def launch(self, so: SchedulerOutput, prepared: PreparedStep, prev: Optional[StepHandle],
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> StepHandle:
         """Queue the forward pass and sampling; the handle's result() waits for them."""
+
+    def launch_forward(self, so: SchedulerOutput, prepared: PreparedStep, prev: Optional[StepHandle],
+                       draft_probs: Optional[dict[str, torch.Tensor]] = None) -> DeferredSample:
+        """Queue only the forward pass; the result's ``sample(so)`` queues the sampling later (the
+        core fills a grammar bitmask in between). Only where ``defers_sampling``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split a step's forward pass and sampling")
 
     @property
     def bytes_moved(self) -> int:

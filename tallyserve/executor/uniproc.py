@@ -16,10 +16,12 @@ from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, num_host_blocks
 from tallyserve.runner.cpu_threads import CpuThreadGovernor
 from tallyserve.runner.memory import record_memory_baseline
-from tallyserve.runner.outputs import AsyncModelRunnerOutput
+from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 
 
 class UniProcExecutor(Executor):
+    defers_sampling = True
+
     def __init__(self, runner: ModelRunner, kv_connector=None) -> None:
         self.runner = runner
         self.overlaps_host = runner.device.type == "cuda"
@@ -78,6 +80,12 @@ class UniProcExecutor(Executor):
         if self.cpu_threads is not None:
             self.cpu_threads.step()
         return self.runner.launch(so, prepared, prev, draft_probs)
+
+    def launch_forward(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
+                       draft_probs: Optional[dict[str, torch.Tensor]] = None) -> PendingForward:
+        if self.cpu_threads is not None:
+            self.cpu_threads.step()
+        return self.runner.launch_forward(so, prepared, prev, draft_probs)
 
     @property
     def bytes_moved(self) -> int:

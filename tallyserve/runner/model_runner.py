@@ -17,7 +17,7 @@ from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.memory import kv_budget_bytes
-from tallyserve.runner.outputs import AsyncModelRunnerOutput
+from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 from tallyserve.runner.prompt_logprobs import compute_prompt_logprobs
 from tallyserve.runner.rejection_sampler import verify_drafts
 from tallyserve.runner.sampler import Sampler, host_tensor
@@ -239,17 +239,19 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
         """Forward and sampling of a prepared step, queued on the device (nothing waits for it)."""
+        return self.launch_forward(so, batch, prev, draft_probs).sample(so)
+
+    def launch_forward(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
+                       draft_probs: Optional[dict[str, torch.Tensor]] = None) -> PendingForward:
+        """The forward pass of a prepared step, queued on the device; its ``sample(so)`` queues the
+        sampling later (structured outputs fill the step's bitmask in between)."""
         hidden = self._forward(batch, prev.token_ids if prev is not None else None)
-        logits = self._logits(batch, hidden)
+        logits = self._logits(batch, hidden)  # None on a tensor-parallel rank other than 0: rank 0 samples
         # rows with prompt_logprobs: their logits too, in slices (runner/prompt_logprobs.py); every TP rank
         prompt_lp = compute_prompt_logprobs(self.model.compute_logits, hidden, so.requests,
                                             batch.attn_meta.query_start_loc_cpu, self.model_config.vocab_size)
         del hidden
-        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
-            return AsyncModelRunnerOutput(batch.num_tokens)
-        step = self.sample(so, logits, batch.num_tokens, draft_probs or {})
-        step.prompt_logprobs = prompt_lp
-        return step
+        return PendingForward(batch.num_tokens, logits, prompt_lp, draft_probs or {}, self.sample)
 
     def _generator(self, e: ScheduledRequest) -> Optional[torch.Generator]:
         seed = e.sampling_params.seed

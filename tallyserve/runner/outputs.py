@@ -1,16 +1,20 @@
-"""What a launched step hands back to the engine core: ModelRunnerOutput (host data) and the
-handle that yields it once the device is done (AsyncModelRunnerOutput)."""
+"""What a launched step hands back to the engine core: ModelRunnerOutput (host data), the
+handle that yields it once the device is done (AsyncModelRunnerOutput), and a step whose forward
+pass is queued but whose sampling waits for its grammar bitmask (PendingForward)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from tallyserve.runner.prompt_logprobs import PendingPromptLogprobs, PromptLogprobs
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.runner.sampler import PendingSamplerOutput
+
+if TYPE_CHECKING:
+    from tallyserve.core.sched_output import SchedulerOutput
 
 
 @dataclass
@@ -49,3 +53,30 @@ class AsyncModelRunnerOutput:
                 out[rid] = [TokenSample(host.token_ids[i], host.logprobs[i], host.top_logprobs[i])]
         prompt = self.prompt_logprobs.result() if self.prompt_logprobs is not None else {}
         return ModelRunnerOutput(out, self.beam_logprobs, prompt)
+
+
+@dataclass
+class PendingForward:
+    """A step whose forward pass is queued on the device and whose sampling is not yet. The engine
+    core fills the grammar bitmask of its rows meanwhile (after the previous step's tokens reached
+    the host and the matchers accepted them), attaches it to the SchedulerOutput and calls
+    ``sample``: the host's work overlaps this step's forward pass."""
+
+    num_forward_tokens: int
+    logits: Optional[torch.Tensor]  # None on tensor-parallel ranks other than 0 (rank 0 samples)
+    prompt_logprobs: Optional[PendingPromptLogprobs]
+    draft_probs: dict[str, torch.Tensor]
+    sample_fn: Callable[["SchedulerOutput", torch.Tensor, int, dict[str, torch.Tensor]], AsyncModelRunnerOutput]
+    sampled: bool = False
+
+    def sample(self, so: "SchedulerOutput") -> AsyncModelRunnerOutput:
+        """Queue the sampling of this step (``so`` may carry a grammar bitmask); once only."""
+        if self.sampled:
+            raise ValueError("this step was already sampled")
+        self.sampled = True
+        logits, self.logits = self.logits, None
+        if logits is None:
+            return AsyncModelRunnerOutput(self.num_forward_tokens)
+        step = self.sample_fn(so, logits, self.num_forward_tokens, self.draft_probs)
+        step.prompt_logprobs = self.prompt_logprobs
+        return step

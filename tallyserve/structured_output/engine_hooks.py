@@ -5,6 +5,8 @@ scheduled and the ledger charges nothing for it. Each step the engine admits the
 grammar is ready (one matcher per sequence) and fails those whose grammar did not compile.
 After a step, a sequence whose matcher reached its end state is finished ("stop"), and one whose
 token the grammar rejected (it cannot happen while the bitmask is applied) fails with an error.
+Under async scheduling the step after it may already hold a row for that sequence: stopping it
+here drops that row's token (its placeholder goes, and the scheduler ignores the row's result).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ IDLE_COMPILE_WAIT_S = 0.05
 class StructuredOutputHooks:
     def __init__(self, engine: "LLMEngine") -> None:
         self.engine = engine
+        pin = engine.device.type == "cuda" and engine.executor.defers_sampling  # the runner shares this process
         self.manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
-                                               engine.eos_token_ids)
+                                               engine.eos_token_ids, pin_memory=pin)
         self.waiting: dict[str, Future] = {}  # parent request id -> its grammar's future
         # The offline LLM compiles at add time, so a bad constraint is a ValueError there; the
         # server validates before adding, and the engine itself never waits for a compile.

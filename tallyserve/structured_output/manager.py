@@ -11,15 +11,17 @@ exact; a matcher that cannot roll back far enough is rebuilt and replayed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from tallyserve.sampling_params import StructuredOutputsParams
-from tallyserve.structured_output.bitmask import GrammarBitmask
+from tallyserve.structured_output.bitmask import GrammarBitmask, HostBitmaskBuffers
 from tallyserve.structured_output.compiler import GrammarCompileCache, GrammarKey
 
 if TYPE_CHECKING:
@@ -42,7 +44,8 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Optional["Tokenizer"], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Optional["Tokenizer"], vocab_size: int, eos_token_ids: Sequence[int],
+                 pin_memory: bool = False, fill_threads: int | str = "auto") -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -50,7 +53,16 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.states: dict[str, RequestGrammar] = {}
         self._json_words: Optional[torch.Tensor] = None
+        self._fill_threads = fill_threads
+        # Matcher updates of a large step run on a few threads (a quarter of the cores, at most 4;
+        # none on a small machine), from this many rows on.
+        self.accept_threads = min(4, (os.cpu_count() or 1) // 4)
+        self.parallel_accept_min_rows = 64
+        self._accept_pool: Optional[ThreadPoolExecutor] = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
+        # pinned on CUDA: the step's rows are filled in place and uploaded with one non-blocking copy
+        self._buffers = HostBitmaskBuffers((vocab_size + 31) // 32, pin_memory)
+        self._stop_row: Optional[torch.Tensor] = None  # the row allowing only stop tokens
 
     # ----------------------------------------------------------------- compilation
     @property
@@ -157,24 +169,78 @@ class StructuredOutputManager:
         return drafts[:accepted]
 
     # ----------------------------------------------------------------- bitmasks
+    def _entries(self, so: "SchedulerOutput") -> list:
+        if not self.states:  # no sequence has a grammar: nothing to do on the hot path
+            return []
+        return [e for e in so.requests if e.sample and not e.beam_search and e.request_id in self.states]
+
+    def needs_bitmask(self, so: "SchedulerOutput") -> bool:
+        """Whether a row of the step samples under a grammar."""
+        return bool(self._entries(so))
+
+    def advance(self, reqs: Sequence["Request"]) -> None:
+        """Bring the matchers of ``reqs`` to their sampled output tokens. The common case (one new
+        token each, nothing cut) is accepted in one batched call; the rest go through ``sync``."""
+        matchers, tokens, states = [], [], []
+        for req in reqs:
+            st = self.states.get(req.request_id)
+            if st is None or st.error is not None or req.is_finished():
+                continue
+            prompt, n = req.num_prompt_tokens, len(st.tokens)
+            ids = req.all_token_ids
+            if (req.num_resolved_tokens - prompt == n + 1 and (n == 0 or ids[prompt + n - 1] == st.tokens[-1])
+                    and not st.matcher.is_terminated()):
+                matchers.append(st.matcher)
+                tokens.append(ids[prompt + n])
+                states.append(st)
+            elif req.num_resolved_tokens - prompt != n or (n and ids[prompt + n - 1] != st.tokens[-1]):
+                self.sync(req)
+        if not matchers:
+            return
+        for st, token, ok in zip(states, tokens, self._accept(matchers, tokens)):
+            if ok:
+                st.tokens.append(token)
+            else:
+                st.error = f"the grammar rejected output token {token} at position {len(st.tokens)}"
+
+    def _accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """``batch_accept_token`` of xgrammar (which releases the GIL), split over the accept threads
+        in contiguous chunks when there are many rows; each matcher is touched by one thread only."""
+        import xgrammar as xgr
+
+        accept = xgr.BatchGrammarMatcher.batch_accept_token
+        threads = self.accept_threads
+        if threads < 2 or len(matchers) < self.parallel_accept_min_rows:
+            return accept(matchers, tokens)
+        if self._accept_pool is None:
+            self._accept_pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-accept")
+        size = -(-len(matchers) // threads)
+        futures = [self._accept_pool.submit(accept, matchers[i:i + size], tokens[i:i + size])
+                   for i in range(0, len(matchers), size)]
+        return [ok for f in futures for ok in f.result()]
+
     def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
         """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
-        token and one after each draft (per-position masks for verification)."""
-        if not self.states:  # no sequence has a grammar: nothing to do on the hot path
-            return None
-        entries = [e for e in so.requests if e.sample and e.request_id in self.states and not e.beam_search]
+        token and one after each draft (per-position masks for verification). ``requests``: each
+        entry's Request as scheduled; its matcher first accepts the tokens it has on the host. A
+        request that ended since it was scheduled (its row's token will be dropped) gets a row
+        allowing only stop tokens, and its matcher is left alone."""
+        entries = self._entries(so)
         if not entries:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(sum(e.num_sample_rows for e in entries), self.vocab_size)
+        self.advance([r for r in (requests.get(e.request_id) for e in entries) if r is not None])
+        bitmask = self._buffers.take(sum(e.num_sample_rows for e in entries))
         batch, batch_rows, json_rows = [], [], []  # plain rows: filled together, on xgrammar's threads
         row = 0
         for e in entries:
             st = self.states[e.request_id]
             req = requests.get(e.request_id)
-            if req is not None:
-                self.sync(req)
+            if req is not None and req.is_finished():
+                self._fill_stop_only(bitmask, row, e.num_sample_rows)
+                row += e.num_sample_rows
+                continue
             if st.error is None and len(st.tokens) != e.num_output_tokens:
                 st.error = (f"grammar state is at {len(st.tokens)} output tokens but the step samples after "
                             f"{e.num_output_tokens}")
@@ -188,11 +254,15 @@ class StructuredOutputManager:
             row += e.num_sample_rows
         if batch:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
+                self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch.batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
             if json_rows and self._json_words is not None:
-                bitmask[json_rows] &= self._json_words
+                _and_rows(bitmask, json_rows, self._json_words)
         return GrammarBitmask(frozenset(e.request_id for e in entries), bitmask)
+
+    def uploaded(self) -> None:
+        """The step holding the last bitmask was queued (the host buffer may be reused after it)."""
+        self._buffers.uploaded()
 
     def _fill_with_drafts(self, st: RequestGrammar, drafts: tuple[int, ...], bitmask: torch.Tensor,
                           row: int) -> None:
@@ -216,14 +286,35 @@ class StructuredOutputManager:
             if st.json and self._json_words is not None:
                 bitmask[row] &= self._json_words
             return
-        bitmask[row] = 0  # ended or broken: only a stop token may follow (the engine ends it)
-        for t in self.eos_token_ids:
-            if 0 <= t < self.vocab_size:
-                bitmask[row, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+        self._fill_stop_only(bitmask, row, 1)  # ended or broken: only a stop token may follow (the engine ends it)
+
+    def _fill_stop_only(self, bitmask: torch.Tensor, row: int, num_rows: int) -> None:
+        if self._stop_row is None:
+            words = torch.zeros(bitmask.shape[1], dtype=torch.int64)
+            for t in self.eos_token_ids:
+                if 0 <= t < self.vocab_size:
+                    words[t // 32] |= 1 << (t % 32)
+            self._stop_row = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        bitmask[row:row + num_rows] = self._stop_row
 
     def shutdown(self) -> None:
         if self._cache is not None:
             self._cache.shutdown()
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
+
+
+def _and_rows(bitmask: torch.Tensor, rows: list[int], words: torch.Tensor) -> None:
+    """``bitmask[rows] &= words`` in place, one numpy slice per run of consecutive rows: a gather
+    and a scatter of every row, or torch's thread pool for a small elementwise operation, would
+    cost more than the fill itself."""
+    host, w = bitmask.numpy(), words.numpy()
+    start = prev = rows[0]
+    for r in rows[1:] + [-1]:
+        if r != prev + 1:
+            np.bitwise_and(host[start:prev + 1], w, out=host[start:prev + 1])
+            start = r
+        prev = r
 
 
 def _no_control_words(decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
