@@ -94,7 +94,9 @@ def test_echo_logprobs_then_generated_tokens(client, tokenizer, reference):
     lp, gen = r.choices[0].logprobs, plain.choices[0].logprobs
     assert r.choices[0].text == TEXT + plain.choices[0].text
     check_echoed_prompt(lp, ids, tokenizer, reference(ids), 2)
-    assert lp.tokens[len(ids):] == gen.tokens and lp.token_logprobs[len(ids):] == gen.token_logprobs
+    # same tokens; logprobs equal up to float32 summation order (a cached prefix is read by another kernel)
+    assert lp.tokens[len(ids):] == gen.tokens
+    assert lp.token_logprobs[len(ids):] == pytest.approx(gen.token_logprobs, abs=1e-5)
     offsets = lp.text_offset
     assert offsets == sorted(offsets) and offsets[len(ids)] == offsets[len(ids) - 1] + len(lp.tokens[len(ids) - 1])
 
