@@ -85,13 +85,16 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 
 def run_worker(engine: str, paths: cpu_setup.Paths, prompts_file: Path, threads: int, max_tokens: int,
-               log: Path, timeout_s: float, vllm_util: float) -> dict[str, Any]:
+               log: Path, timeout_s: float, vllm_util: float, vllm_iomp: bool = True) -> dict[str, Any]:
     """One offline W run of ``engine`` in its own process; the worker's result, or ``{"error": ...}``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if engine == "vllm":
         python = str(paths.vllm_python)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
         env["CPUBENCH_VLLM_MEMORY_UTILIZATION"] = str(vllm_util)
+        iomp = paths.vllm_venv / "lib" / "libiomp5.so"  # from intel-openmp, a vllm-cpu dependency
+        if vllm_iomp and iomp.exists():  # vLLM's CPU guide: preload Intel's OpenMP (and tcmalloc, not here)
+            env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
     else:
         python = sys.executable
     out = log.with_suffix(".json")
@@ -122,7 +125,8 @@ def run_engine(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], pr
             return run_llama_offline(paths.llama_server, paths.f32_gguf, prompts, args.max_tokens, threads, log)
         except Exception as exc:  # a failed engine is reported, the others go on
             return {"error": f"{type(exc).__name__}: {exc} (log: {log})"}
-    return run_worker(engine, paths, prompts_file, threads, args.max_tokens, log, args.timeout, args.vllm_util)
+    return run_worker(engine, paths, prompts_file, threads, args.max_tokens, log, args.timeout, args.vllm_util,
+                      args.vllm_iomp)
 
 
 def run_serving(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], threads: int, args,
@@ -172,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per offline engine run")
     ap.add_argument("--vllm-util", type=float, default=0.3,
                     help="vLLM's gpu_memory_utilization (on the CPU: the fraction of memory it reserves)")
+    ap.add_argument("--vllm-iomp", action=argparse.BooleanOptionalAction, default=True,
+                    help="preload the venv's libiomp5.so for vLLM, as its CPU guide advises (default: on)")
     ap.add_argument("--serving", action="store_true", help="also the server mode (tallyserve, llama-server)")
     ap.add_argument("--serving-streams", type=lambda s: parse_list(s, kind=int), default=[1, 16])
     ap.add_argument("--serving-prompts", type=int, default=None, help="prompts per serving run (default: W's)")

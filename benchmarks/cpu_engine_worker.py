@@ -97,7 +97,7 @@ def run_vllm(prompts, max_tokens, threads, model_dir):
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     settings = {"dtype": "float32", "gpu_memory_utilization": util,
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                "max_model_len": max(max_len, 1024)}
+                "max_model_len": max(max_len, 1024), "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     return elapsed, load_s, outputs, vllm.__version__, settings
 
 
