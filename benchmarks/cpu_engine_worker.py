@@ -71,6 +71,9 @@ def run_transformers(prompts, max_tokens, threads, model_dir):
     elapsed = time.perf_counter() - t
     if len(res) != len(prompts):
         raise RuntimeError(f"transformers answered {len(res)} of {len(prompts)} requests")
+    failed = [k for k, r in res.items() if r.error is not None]
+    if failed:
+        raise RuntimeError(f"transformers failed {len(failed)} requests, first {failed[0]}: {res[failed[0]].error}")
     outputs = [list(r.generated_tokens) for r in res.values()]  # generate_batch returns them in input order
     return elapsed, load_s, outputs, transformers.__version__, settings
 

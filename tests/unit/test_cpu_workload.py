@@ -74,3 +74,33 @@ def test_summary_without_a_baseline_or_a_successful_round_has_no_ratio():
     assert s["vllm"]["vs_tallyserve"] is None
     s = summarize([{"tallyserve@1t": 2.0, "vllm@1t": 3.0}], baseline="tallyserve@1t")
     assert s["vllm@1t"]["vs_tallyserve@1t"] == 1.5
+
+
+def test_serving_summary_per_stream_token_time_and_ttft():
+    from benchmarks.cpu_serving import summarize_streams
+    from tallyserve.bench.metrics import RequestRecord
+
+    recs = [RequestRecord(request_id="a", ttft_s=0.5, latency_s=0.5 + 63 * 0.02, completion_tokens=64),
+            RequestRecord(request_id="b", ttft_s=1.5, latency_s=1.5 + 63 * 0.04, completion_tokens=64),
+            # no usage chunk (a server that does not send one): tokens counted from the streamed chunks
+            RequestRecord(request_id="c", ttft_s=1.0, latency_s=1.0 + 3 * 0.03, chunk_times_s=[1.0, 1.03, 1.06, 1.09]),
+            RequestRecord(request_id="d", error_kind="http_400", error="bad")]
+    s = summarize_streams(10.0, recs, num_streams=16)
+    assert s["requests"] == 4 and s["ok"] == 3 and s["streams"] == 16
+    assert s["output_tokens"] == 64 + 64 + 4
+    assert s["output_tok_per_s"] == pytest.approx(13.2)
+    assert s["mean_ttft_ms"] == pytest.approx(1000.0) and s["median_ttft_ms"] == pytest.approx(1000.0)
+    assert s["mean_tpot_ms"] == pytest.approx(30.0) and s["median_tpot_ms"] == pytest.approx(30.0)
+    assert s["errors"] == ["d: http_400: bad"]
+
+
+def test_bench_cli_lists():
+    import argparse
+
+    from benchmarks.cpu_bench import ENGINES, engine_key, parse_list
+
+    assert parse_list("vllm, llama.cpp", ENGINES) == ["vllm", "llama.cpp"]
+    assert parse_list("2,1", kind=int) == [2, 1]
+    with pytest.raises(argparse.ArgumentTypeError, match="sglang"):
+        parse_list("tallyserve,sglang", ENGINES)
+    assert engine_key("tallyserve", 1) == "tallyserve@1t"
