@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import cpu_setup  # noqa: E402
 from benchmarks.cpu_workload import (MAX_TOKENS, NUM_PROMPTS, SEED, agreement, describe,  # noqa: E402
-                                     make_workload, summarize)
+                                     make_workload, summarize, summarize_serving)
 
 ENGINES = ("tallyserve", "transformers", "vllm", "llama.cpp")
 SERVING_ENGINES = ("tallyserve", "llama.cpp")
@@ -73,6 +73,12 @@ def machine_info() -> dict[str, Any]:
     try:
         info["loadavg_at_start"] = os.getloadavg()
     except OSError:
+        pass
+    try:
+        repo = Path(__file__).resolve().parent.parent
+        info["repo_commit"] = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                                             capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
         pass
     return info
 
@@ -195,6 +201,7 @@ def main(argv=None) -> int:
             print(json.dumps({"setup_errors": setup_errors, "cache_dir": str(paths.root)}, indent=1))
             return 1 if setup_errors else 0
 
+    machine = machine_info()
     prompts = make_workload(args.num_prompts, args.seed)
     workload = describe(prompts, args.max_tokens) | {"seed": args.seed}
     print(f"W: {workload['num_prompts']} prompts, {workload['prompt_tokens']} prompt tokens "
@@ -250,10 +257,12 @@ def main(argv=None) -> int:
         per_round = [{k: row[k]["time_s"] for k in keys if k in row} for row in rounds]
         summary[f"{threads}t"] = summarize(per_round, baseline=engine_key("tallyserve", threads))
     errors = {k: v["error"] for row in rounds for k, v in row.items() if v.get("error")}
+    machine["loadavg_at_end"] = os.getloadavg()
     result = {
-        "workload": workload, "machine": machine_info(), "threads": args.threads, "rounds": rounds,
+        "workload": workload, "machine": machine, "threads": args.threads, "rounds": rounds,
         "summary": summary, "agreement": agreement(outputs), "engines": meta, "errors": errors,
-        "setup_errors": setup_errors, "serving": serving_rounds, "logs": str(run_dir),
+        "setup_errors": setup_errors, "serving": serving_rounds,
+        "serving_summary": summarize_serving(serving_rounds), "logs": str(run_dir),
         "note": "times from a shared machine are noise; measure on a quiet one",
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -267,6 +276,12 @@ def main(argv=None) -> int:
         print("identical outputs (fraction of prompts; common leading tokens):")
         for pair, a in result["agreement"].items():
             print(f"  {pair:45s} {a['identical']:.3f}  {a['common_prefix']:.3f}")
+    if result["serving_summary"]:
+        print("serving, best round per metric (TTFT ms, ms per output token per stream, output tok/s):")
+        for key, rows in result["serving_summary"].items():
+            for streams, row in rows.items():
+                print(f"  {key:22s} {streams:>11s}: {row['mean_ttft_ms']}  {row['mean_tpot_ms']}  "
+                      f"{row['output_tok_per_s']}  (rounds ok {row['rounds_ok']})")
     for key, err in errors.items():
         print(f"NOT MEASURED {key}: {err.splitlines()[0]}")
     print(f"JSON: {args.out}")

@@ -114,6 +114,16 @@ async def _burst(url: str, prompts: Sequence[list[int]], max_tokens: int) -> tup
         return time.perf_counter() - t, list(outs)
 
 
+def llama_server_version(server: Path) -> Optional[str]:
+    """`llama-server --version` in one line, e.g. "version: 0.5.0-dev (build 1, commit 0c1e570)"."""
+    try:
+        out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else None
+
+
 def warmup_prompts() -> list[list[int]]:
     """Two 32-token prompts of ids W never draws (as in cpu_engine_worker.py)."""
     return [[40000 + (37 * j + k) % 9000 for k in range(32)] for j in range(2)]
@@ -130,6 +140,7 @@ def run_llama_offline(server: Path, gguf: Path, prompts: Sequence[list[int]], ma
         elapsed, outputs = asyncio.run(_burst(srv.url, prompts, max_tokens))
         load_s = srv.start_s
     return {"engine": "llama.cpp", "time_s": elapsed, "load_s": load_s, "outputs": outputs,
+            "version": llama_server_version(server),
             "threads": threads, "output_tokens": sum(len(o) for o in outputs),
             "settings": {"model": gguf.name, "slots": len(prompts), "ctx_per_slot": slot_ctx, "kv_unified": False,
                          "cache_prompt": False, "cmd": " ".join(cmd[1:])}}

@@ -138,8 +138,8 @@ def setup_vllm(paths: Paths) -> None:
     (paths.vllm_venv / ".installed").touch()
 
 
-def _have_build_tools() -> list[str]:
-    """The bin directory of pip-installed cmake/ninja when the system lacks them (installed into the current env)."""
+def _ensure_build_tools() -> list[str]:
+    """pip-install cmake / ninja into the current environment when the system lacks them; returns those installed."""
     missing = [t for t in ("cmake", "ninja") if shutil.which(t) is None]
     if missing:
         subprocess.run([sys.executable, "-m", "pip", "install", *missing], check=True)
@@ -158,7 +158,7 @@ def setup_llama_cpp(paths: Paths, jobs: int = 2) -> None:
                   f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(paths.src)], log)
         with tarfile.open(sdist) as tar:
             tar.extractall(paths.src, filter="data")
-    _have_build_tools()
+    _ensure_build_tools()
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     _run(["cmake", "-S", str(paths.llama_src), "-B", str(paths.llama_build), "-G", "Ninja",
           "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON",

@@ -116,3 +116,28 @@ def summarize(rounds: Sequence[Mapping[str, Optional[float]]], baseline: str = B
     for name, row in out.items():
         row[f"vs_{baseline}"] = round(row["min_s"] / base, 3) if base and row["min_s"] is not None else None
     return out
+
+
+def summarize_serving(rounds: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Serving mode over rounds: per server and stream count, the best round's figures (each metric on its own).
+
+    ``rounds[r][server]`` is ``{"runs": [{"streams", "mean_ttft_ms", "mean_tpot_ms", "output_tok_per_s", ...}]}``
+    or ``{"error": ...}``. Result: ``{server: {"streams=<n>": {"mean_ttft_ms": min, "mean_tpot_ms": min,
+    "output_tok_per_s": max, "rounds_ok": k}}}``; a run counts only when all its requests answered.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for r in rounds:
+        for server, res in r.items():
+            rows = out.setdefault(server, {})
+            for run in res.get("runs", []):
+                key = f"streams={run['streams']}"
+                row = rows.setdefault(key, {"mean_ttft_ms": None, "mean_tpot_ms": None, "output_tok_per_s": None,
+                                            "rounds_ok": 0})
+                if run.get("ok") != run.get("requests"):
+                    continue
+                row["rounds_ok"] += 1
+                for metric, best in (("mean_ttft_ms", min), ("mean_tpot_ms", min), ("output_tok_per_s", max)):
+                    value = run.get(metric)
+                    if value is not None:
+                        row[metric] = value if row[metric] is None else best(row[metric], value)
+    return out

@@ -104,3 +104,23 @@ def test_bench_cli_lists():
     with pytest.raises(argparse.ArgumentTypeError, match="sglang"):
         parse_list("tallyserve,sglang", ENGINES)
     assert engine_key("tallyserve", 1) == "tallyserve@1t"
+
+
+def test_serving_summary_over_rounds_takes_each_metric_best_and_skips_failed_runs():
+    from benchmarks.cpu_workload import summarize_serving
+
+    def run(streams, ttft, tpot, tps, ok=8):
+        return {"streams": streams, "requests": 8, "ok": ok, "mean_ttft_ms": ttft, "mean_tpot_ms": tpot,
+                "output_tok_per_s": tps}
+
+    rounds = [{"tallyserve@2t": {"runs": [run(1, 100.0, 20.0, 40.0), run(16, 900.0, 60.0, 200.0)]},
+               "llama.cpp@2t": {"error": "did not start"}},
+              {"tallyserve@2t": {"runs": [run(1, 120.0, 18.0, 45.0), run(16, 1.0, 1.0, 999.0, ok=7)]},
+               "llama.cpp@2t": {"runs": [run(1, 50.0, 10.0, 90.0)]}}]
+    s = summarize_serving(rounds)
+    assert s["tallyserve@2t"]["streams=1"] == {"mean_ttft_ms": 100.0, "mean_tpot_ms": 18.0,
+                                               "output_tok_per_s": 45.0, "rounds_ok": 2}
+    # the 16-stream run of round 1 lost a request: it does not count
+    assert s["tallyserve@2t"]["streams=16"] == {"mean_ttft_ms": 900.0, "mean_tpot_ms": 60.0,
+                                                "output_tok_per_s": 200.0, "rounds_ok": 1}
+    assert s["llama.cpp@2t"]["streams=1"]["rounds_ok"] == 1
