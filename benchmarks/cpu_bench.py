@@ -124,11 +124,12 @@ def run_engine(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], pr
     why = paths.missing(engine)
     if why:
         return {"error": why, "skipped": True}
-    log = paths.logs / f"{engine}-{tag}.log"
+    log = args.log_dir / f"{engine}-{tag}.log"
     if engine == "llama.cpp":
         from benchmarks.cpu_servers import run_llama_offline
         try:
-            return run_llama_offline(paths.llama_server, paths.f32_gguf, prompts, args.max_tokens, threads, log)
+            return run_llama_offline(paths.llama_server, paths.f32_gguf, prompts, args.max_tokens, threads, log,
+                                     args.timeout)
         except Exception as exc:  # a failed engine is reported, the others go on
             return {"error": f"{type(exc).__name__}: {exc} (log: {log})"}
     return run_worker(engine, paths, prompts_file, threads, args.max_tokens, log, args.timeout, args.vllm_util,
@@ -145,7 +146,7 @@ def run_serving(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], t
     if why:
         return {"error": why, "skipped": True}
     port = free_port()
-    log = paths.logs / f"serve-{engine}-{tag}.log"
+    log = args.log_dir / f"serve-{engine}-{tag}.log"
     streams = args.serving_streams
     if engine == "llama.cpp":
         slot_ctx = -(-(max(len(p) for p in prompts) + args.max_tokens + 64) // 256) * 256
@@ -209,6 +210,7 @@ def main(argv=None) -> int:
           f"greedy, EOS ignored; threads {args.threads}; {args.rounds} round(s)", flush=True)
     run_dir = paths.logs / time.strftime("run-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    args.log_dir = run_dir  # every engine's log of this run, next to the prompts it was given
     prompts_file = run_dir / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
 

@@ -106,9 +106,10 @@ async def _completion(client: httpx.AsyncClient, url: str, prompt: list[int], ma
     return list(data.get("tokens") or [])
 
 
-async def _burst(url: str, prompts: Sequence[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+async def _burst(url: str, prompts: Sequence[list[int]], max_tokens: int,
+                 timeout_s: float = 3600.0) -> tuple[float, list[list[int]]]:
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         t = time.perf_counter()
         outs = await asyncio.gather(*[_completion(client, url, p, max_tokens) for p in prompts])
         return time.perf_counter() - t, list(outs)
@@ -130,14 +131,14 @@ def warmup_prompts() -> list[list[int]]:
 
 
 def run_llama_offline(server: Path, gguf: Path, prompts: Sequence[list[int]], max_tokens: int, threads: int,
-                      log: Path) -> dict:
+                      log: Path, timeout_s: float = 3600.0) -> dict:
     """W on llama-server: one slot per prompt, every prompt sent at once; returns the worker-shaped result."""
     slot_ctx = -(-(max(len(p) for p in prompts) + max_tokens + 64) // 256) * 256
     port = free_port()
     cmd = llama_server_cmd(server, gguf, port, threads, len(prompts), slot_ctx)
     with ServerProcess(cmd, port, log) as srv:
         asyncio.run(_burst(srv.url, warmup_prompts(), 4))
-        elapsed, outputs = asyncio.run(_burst(srv.url, prompts, max_tokens))
+        elapsed, outputs = asyncio.run(_burst(srv.url, prompts, max_tokens, timeout_s))
         load_s = srv.start_s
     return {"engine": "llama.cpp", "time_s": elapsed, "load_s": load_s, "outputs": outputs,
             "version": llama_server_version(server),
