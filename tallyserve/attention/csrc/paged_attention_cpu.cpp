@@ -5,9 +5,10 @@
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
 //
-// One work item is (request, KV head, a run of up to 8 query rows): the query heads that share that KV
-// head read each K/V row once together. Scores are kept whole per row (exact softmax: max, exp, sum in
-// float32, like the reference), then the weighted V rows are summed. Items run on ATen's thread pool.
+// One work item is (request, a run of up to 8 query rows), all heads: each position's K row (every KV head,
+// contiguous) is read once for all query heads of the item. Scores are kept whole per row (softmax: max,
+// exp, sum in float32, like the reference), then the weighted V rows are summed. Items, largest first, are
+// dealt round-robin to ATen's threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -34,8 +36,29 @@ inline void axpy(float* y, const float* x, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
+// exp(x) for the softmax's x = score - max <= 0, in plain float arithmetic the compiler vectorizes (a libm
+// call per score cost more than the whole dot products): Cody-Waite reduction by ln 2 and a degree-6
+// polynomial, within 2 ulp of expf; inputs below -87 (weights under 1e-38) give about 1e-38, not 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 struct Item {
-  int64_t req, kv_head, row_lo, row_hi;
+  int64_t req, row_lo, row_hi, cost;
 };
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -64,9 +87,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
     TORCH_CHECK((sl[r] + BS - 1) / BS <= MB, "request ", r, ": seq_len past its block table");
     for (int64_t b = 0; b < (sl[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(bt[r * MB + b] >= 0 && bt[r * MB + b] < NB, "request ", r, ": block id out of range");
-    for (int64_t lo = 0; lo < rows; lo += kRowsPerItem)
-      for (int64_t g = 0; g < Hkv; ++g) items.push_back({r, g, lo, std::min(rows, lo + kRowsPerItem)});
+    for (int64_t lo = 0; lo < rows; lo += kRowsPerItem) {
+      const int64_t hi = std::min(rows, lo + kRowsPerItem);
+      items.push_back({r, lo, hi, (hi - lo) * (sl[r] - rows + hi)});
+    }
   }
+  // Largest first, dealt round-robin to the threads: a static split of unequal requests left one
+  // thread idle while the other finished the long ones.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   at::Tensor out = at::zeros_like(q);
   const float* Q = q.data_ptr<float>();
@@ -74,48 +102,56 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const float* V = K + NB * BS * Hkv * D;
   float* O = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t row_stride = Hkv * D;  // floats between consecutive positions of one block
+  const int64_t row_stride = Hkv * D;  // floats from one position to the next: all KV heads side by side
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
-    for (int64_t it = begin; it < end; ++it) {
-      const Item& w = items[it];
-      const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
-      const int32_t* blocks = bt + w.req * MB;
-      const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
-      const int64_t nrow = w.row_hi - w.row_lo;
-      scores.assign(static_cast<size_t>(nrow * G * nkeys), 0.f);
-      // scores[(i * G + h) * nkeys + j] = q_i,h . k_j * scale, for keys j the row may see
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + w.kv_head * D;
-        for (int64_t i = 0; i < nrow; ++i) {
-          const int64_t pos = len - rows + w.row_lo + i;
-          if (j > pos) continue;
-          const float* qr = Q + (qsl[w.req] + w.row_lo + i) * Hq * D + w.kv_head * G * D;
-          for (int64_t h = 0; h < G; ++h) scores[(i * G + h) * nkeys + j] = dot(qr + h * D, kr, D) * sc;
-        }
-      }
-      for (int64_t i = 0; i < nrow; ++i) {
-        const int64_t n = len - rows + w.row_lo + i + 1;
-        for (int64_t h = 0; h < G; ++h) {
-          float* s = scores.data() + (i * G + h) * nkeys;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            s[j] = std::exp(s[j] - mx);
-            sum += s[j];
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      for (int64_t it = lane; it < n_items; it += lanes) {
+        const Item& w = items[it];
+        const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
+        const int32_t* blocks = bt + w.req * MB;
+        const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
+        const int64_t nrow = w.row_hi - w.row_lo;
+        const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
+        float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
+        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
+        // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
+        // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
+        for (int64_t j = 0; j < nkeys; ++j) {
+          const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          for (int64_t i = 0; i < nrow; ++i) {
+            if (j > len - rows + w.row_lo + i) continue;
+            for (int64_t h = 0; h < Hq; ++h)
+              scores[(i * Hq + h) * nkeys + j] = dot(q0 + (i * Hq + h) * D, kr + (h / G) * D, D) * sc;
           }
-          const float inv = 1.f / sum;
-          for (int64_t j = 0; j < n; ++j) s[j] *= inv;
         }
-      }
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + w.kv_head * D;
         for (int64_t i = 0; i < nrow; ++i) {
-          if (j > len - rows + w.row_lo + i) continue;
-          float* orow = O + (qsl[w.req] + w.row_lo + i) * Hq * D + w.kv_head * G * D;
-          for (int64_t h = 0; h < G; ++h) axpy(orow + h * D, vr, scores[(i * G + h) * nkeys + j], D);
+          const int64_t n = len - rows + w.row_lo + i + 1;
+          for (int64_t h = 0; h < Hq; ++h) {
+            float* sh = scores.data() + (i * Hq + h) * nkeys;
+            float mx = sh[0];
+            for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sh[j]);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; ++j) {
+              sh[j] = exp_nonpositive(sh[j] - mx);
+              sum += sh[j];
+            }
+            const float inv = 1.f / sum;
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+          }
+        }
+        for (int64_t j = 0; j < nkeys; ++j) {
+          const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          for (int64_t i = 0; i < nrow; ++i) {
+            if (j > len - rows + w.row_lo + i) continue;
+            for (int64_t h = 0; h < Hq; ++h)
+              axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
+          }
         }
       }
     }
