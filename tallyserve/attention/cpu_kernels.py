@@ -17,7 +17,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
+            Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"]
 _NAME = "tallyserve_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

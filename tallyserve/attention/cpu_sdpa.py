@@ -98,6 +98,49 @@ def _use_kernel(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and cpu_kernels.load()
 
 
+class _KernelPlan:
+    """How one forward pass's requests split over the paths of `paged_attention_kernel`, and the kernel's
+    arguments; built once per pass (per metadata object) and shared by every layer."""
+
+    def __init__(self, meta: AttentionMetadata, has_fresh_kv: bool) -> None:
+        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        self.fresh: list[tuple[int, int]] = []
+        self.long: list[tuple[int, int, int]] = []
+        paged: list[int] = []
+        for i in range(meta.num_reqs):
+            lo, hi = starts[i], starts[i + 1]
+            if hi - lo > seq_lens[i]:
+                raise ValueError(f"request {i} has {hi - lo} query rows but seq_len {seq_lens[i]}")
+            if hi - lo == seq_lens[i] and hi - lo > 1 and has_fresh_kv:
+                self.fresh.append((lo, hi))
+            elif hi - lo > KERNEL_MAX_ROWS:  # a long chunk over a cached prefix: the blocked SDPA wins
+                self.long.append((i, lo, hi))
+            elif hi > lo:
+                paged.append(i)
+        self.any_paged = bool(paged)
+        self.all_paged = len(paged) == meta.num_reqs
+        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
+        if self.all_paged:
+            self.rows = None
+            self.qsl = torch.tensor(starts, dtype=torch.long)
+            self.tables = tables.contiguous()
+            self.lens = torch.tensor(seq_lens, dtype=torch.long)
+        elif paged:
+            self.rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in paged])
+            self.qsl = torch.tensor([0] + [starts[i + 1] - starts[i] for i in paged], dtype=torch.long).cumsum(0)
+            self.tables = tables[torch.tensor(paged)].contiguous()
+            self.lens = torch.tensor([seq_lens[i] for i in paged], dtype=torch.long)
+
+
+_last_plan: list = [None, None, None]  # [metadata, has_fresh_kv, plan]: the pass in flight
+
+
+def _plan_for(meta: AttentionMetadata, has_fresh_kv: bool) -> _KernelPlan:
+    if _last_plan[0] is not meta or _last_plan[1] != has_fresh_kv:
+        _last_plan[:] = [meta, has_fresh_kv, _KernelPlan(meta, has_fresh_kv)]
+    return _last_plan[2]
+
+
 def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                            kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The compiled path (float32): a request whose whole context is this chunk attends its own fresh
@@ -105,35 +148,20 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     with a few rows (decode, verification, short chunks) reads its context in place from the paged cache in
     one kernel call, without gathering copies; a long chunk over a cached prefix takes the gather + SDPA
     path. Padding rows stay zero."""
+    plan = _plan_for(meta, k is not None)
+    if plan.all_paged:  # decode and short chunks only: the kernel's output is the answer (padding rows zero)
+        return torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), kv_cache, plan.tables, plan.qsl, plan.lens,
+                                                        scale)
     out = torch.zeros_like(q)
-    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    paged: list[int] = []
-    for i in range(meta.num_reqs):
-        lo, hi = starts[i], starts[i + 1]
-        if hi - lo > seq_lens[i]:
-            raise ValueError(f"request {i} has {hi - lo} query rows but seq_len {seq_lens[i]}")
-        if hi - lo == seq_lens[i] and hi - lo > 1 and k is not None:
-            out[lo:hi] = _causal_flash(q[lo:hi], k[lo:hi], v[lo:hi], scale)
-        elif hi - lo > KERNEL_MAX_ROWS:  # a long chunk over a cached prefix: the blocked SDPA wins
-            out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], seq_lens[i], scale).to(q.dtype)
-        elif hi > lo:
-            paged.append(i)
-    if not paged:
-        return out
-    tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.to(torch.int32)
-    if len(paged) == meta.num_reqs:
-        qsl = torch.tensor(starts, dtype=torch.long)
-        res = torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), kv_cache, tables.contiguous(), qsl,
-                                                       torch.tensor(seq_lens, dtype=torch.long), scale)
-        n = meta.num_tokens
-        out[:n] = res[:n]
-        return out
-    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in paged])
-    lens = [starts[i + 1] - starts[i] for i in paged]
-    qsl = torch.tensor([0] + lens, dtype=torch.long).cumsum(0)
-    res = torch.ops.tallyserve_cpu.paged_attention(q[rows].contiguous(), kv_cache, tables[torch.tensor(paged)].contiguous(),
-                                                   qsl, torch.tensor([seq_lens[i] for i in paged], dtype=torch.long), scale)
-    out[rows] = res
+    for lo, hi in plan.fresh:
+        kk, vv = (torch.nan_to_num(t[lo:hi], nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))  # as cached
+        out[lo:hi] = _causal_flash(q[lo:hi], kk, vv, scale)
+    for i, lo, hi in plan.long:
+        out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
+                                     scale).to(q.dtype)
+    if plan.any_paged:
+        out[plan.rows] = torch.ops.tallyserve_cpu.paged_attention(q[plan.rows].contiguous(), kv_cache, plan.tables,
+                                                                  plan.qsl, plan.lens, scale)
     return out
 
 
@@ -170,6 +198,10 @@ class CpuSdpaBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         check_attention_inputs(q, k, v, kv_cache, meta)
+        if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
+            # one pass: rows to their slots, non-finite values stored as 0 (the cache stays finite, see above)
+            torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping)
+            return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
         k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # the cache stays finite (see above)
         v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)

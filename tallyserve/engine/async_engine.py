@@ -31,6 +31,7 @@ from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MA
                                       HealthState)
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
+from tallyserve.runner.cpu_threads import release_openmp_workers
 from tallyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class AsyncLLMEngine:
         if self._thread is not None:
             return
         self._heartbeat = time.monotonic()
+        # Forward passes run on the loop thread from now on; this thread's OpenMP workers would only make
+        # the loop thread's sleep between operators instead of spinning (see runner/cpu_threads.py).
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="tallyserve-engine-loop", daemon=True)
         self._thread.start()
 

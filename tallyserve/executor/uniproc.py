@@ -38,8 +38,8 @@ class UniProcExecutor(Executor):
         mc = resolved.model_config
         record_memory_baseline(device)  # what other processes hold on the card is not ours
         model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device))
-        if device.type == "cuda":
-            model.enable_fused_kernels()  # fused add+RMSNorm, RoPE, SiLU-mul; TALLYSERVE_FUSED_KERNELS=0 turns off
+        # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
+        model.enable_fused_kernels()
         num_blocks = determine_num_blocks(args, mc, device, dtype, model)
         host_blocks = num_host_blocks(args, mc, dtype) if args.enable_prefix_caching else 0
         config = args.resolve(mc, num_blocks, host_blocks)

@@ -64,8 +64,7 @@ def _init(spec: WorkerSpec):
     record_memory_baseline(device)  # what other processes hold on the card is not ours
     model = load_model(resolved, args.load_format, spec.dtype, device, args.seed, get_attn_backend("auto", device),
                        tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
-    if device.type == "cuda":
-        model.enable_fused_kernels()
+    model.enable_fused_kernels()  # CUDA, or CPU float32 (TALLYSERVE_FUSED_KERNELS=0 turns off)
     blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, spec.dtype, model,
                                                 args.tensor_parallel_size)], dtype=torch.int64)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)

@@ -1,8 +1,13 @@
-"""Fused Triton kernels for the GPU forward pass: residual add + RMSNorm, in-place rotary
+"""Fused kernels for the forward pass: residual add + RMSNorm, in-place rotary
 embedding of q and k together (with the per-head q/k RMSNorm of Qwen3 in the same kernel), and
 SiLU-and-multiply. Each replaces a handful of small torch
 kernels per layer (about 1,000 launches per decode step on an 8B model) and rounds to the model
 dtype where the torch reference in layers.py rounds, so the two paths agree within an ulp.
+
+On CUDA they are Triton kernels; on the CPU (float32) they are the compiled operators of
+``attention/csrc/fused_ops_cpu.cpp`` (a one-sequence decode step spent about a third of its time outside
+the matmuls in these small operators). ``TALLYSERVE_FUSED_KERNELS=0`` turns both off; under
+``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels in the interpreter (their tests).
 """
 
 from __future__ import annotations
@@ -19,11 +24,29 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the to
     triton = None
 
 
-def available(device: torch.device) -> bool:
-    """Fused kernels run on CUDA with triton, unless TALLYSERVE_FUSED_KERNELS=0."""
-    if os.environ.get("TALLYSERVE_FUSED_KERNELS", "1") == "0" or triton is None:
+_INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it at import too
+
+
+def _interpret() -> bool:
+    return _INTERPRET
+
+
+def available(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
+    """Fused kernels run on CUDA with triton and on the CPU in float32 with the compiled CPU operators,
+    unless TALLYSERVE_FUSED_KERNELS=0."""
+    if os.environ.get("TALLYSERVE_FUSED_KERNELS", "1") == "0":
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda" or _interpret():
+        return triton is not None
+    if device.type == "cpu" and dtype in (None, torch.float32):
+        from tallyserve.attention import cpu_kernels
+
+        return cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "add_rms_norm")
+    return False
+
+
+def _on_cpu(x: torch.Tensor) -> bool:
+    return not _INTERPRET and x.device.type == "cpu"
 
 
 if triton is not None:
@@ -98,6 +121,8 @@ if triton is not None:
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of (x + residual) over the last dim; `residual` (if given) is updated in place to
     x + residual. x and residual: contiguous (T, N)."""
+    if _on_cpu(x):
+        return torch.ops.tallyserve_cpu.add_rms_norm(x, residual, weight, eps)
     n = x.shape[-1]
     out = torch.empty_like(x)
     block = triton.next_power_of_2(n)
@@ -112,6 +137,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     tokens, heads, dim = x.shape
     if x.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("rotary_ needs a contiguous last dimension")
+    if _on_cpu(x):
+        torch.ops.tallyserve_cpu.rotary_(x, cos, sin)
+        return
     half = dim // 2
     _rotary_kernel[(tokens, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
                                     HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
@@ -125,6 +153,9 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     tokens, heads, dim = qk.shape
     if qk.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("qk_norm_rotary_ needs a contiguous last dimension")
+    if _on_cpu(qk):
+        torch.ops.tallyserve_cpu.qk_norm_rotary_(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
+        return
     half = dim // 2
     _qk_norm_rotary_kernel[(tokens, heads)](qk, q_weight, k_weight, cos, sin, qk.stride(0), qk.stride(1),
                                             cos.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=half,
@@ -133,6 +164,8 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] (T, 2N) contiguous; returns (T, N)."""
+    if _on_cpu(gate_up):
+        return torch.ops.tallyserve_cpu.silu_mul(gate_up)
     tokens, width = gate_up.shape
     n = width // 2
     out = gate_up.new_empty((tokens, n))

@@ -334,9 +334,9 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def enable_fused_kernels(self) -> bool:
-        """Switch to the fused GPU path (fused_ops); False where it is not available."""
-        device = self.model.embed_tokens.weight.device
-        if not fused_ops.available(device):
+        """Switch to the fused path (fused_ops: CUDA, or CPU float32); False where it is not available."""
+        weight = self.model.embed_tokens.weight
+        if not fused_ops.available(weight.device, weight.dtype):
             return False
         for layer in self.model.layers:
             layer.self_attn.fuse()

@@ -6,7 +6,8 @@
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
 //
 // One work item is (request, a run of up to 8 query rows), all heads: each position's K row (every KV head,
-// contiguous) is read once for all query heads of the item. Scores are kept whole per row (softmax: max,
+// contiguous) is read once for all query heads of the item (with fewer items than threads, an item is split
+// by KV head group). Scores are kept whole per row (softmax: max,
 // exp, sum in float32, like the reference), then the weighted V rows are summed. Items, largest first, are
 // dealt round-robin to ATen's threads.
 
@@ -58,7 +59,7 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Item {
-  int64_t req, row_lo, row_hi, cost;
+  int64_t req, row_lo, row_hi, cost, head_lo, head_hi;  // query heads [head_lo, head_hi)
 };
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -89,8 +90,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
       TORCH_CHECK(bt[r * MB + b] >= 0 && bt[r * MB + b] < NB, "request ", r, ": block id out of range");
     for (int64_t lo = 0; lo < rows; lo += kRowsPerItem) {
       const int64_t hi = std::min(rows, lo + kRowsPerItem);
-      items.push_back({r, lo, hi, (hi - lo) * (sl[r] - rows + hi)});
+      items.push_back({r, lo, hi, (hi - lo) * (sl[r] - rows + hi), 0, Hq});
     }
+  }
+  // Fewer items than threads (one or two sequences decoding): split each item by KV head group, so every
+  // thread has work; each part still reads a key row's heads of its group while the row is in cache.
+  if (Hkv > 1 && static_cast<int64_t>(items.size()) < at::get_num_threads()) {
+    std::vector<Item> parts;
+    for (const Item& w : items)
+      for (int64_t g = 0; g < Hkv; ++g) parts.push_back({w.req, w.row_lo, w.row_hi, w.cost / Hkv, g * G, (g + 1) * G});
+    items.swap(parts);
   }
   // Largest first, dealt round-robin to the threads: a static split of unequal requests left one
   // thread idle while the other finished the long ones.
@@ -124,13 +133,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
           const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
           for (int64_t i = 0; i < nrow; ++i) {
             if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = 0; h < Hq; ++h)
+            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
               scores[(i * Hq + h) * nkeys + j] = dot(q0 + (i * Hq + h) * D, kr + (h / G) * D, D) * sc;
           }
         }
         for (int64_t i = 0; i < nrow; ++i) {
           const int64_t n = len - rows + w.row_lo + i + 1;
-          for (int64_t h = 0; h < Hq; ++h) {
+          for (int64_t h = w.head_lo; h < w.head_hi; ++h) {
             float* sh = scores.data() + (i * Hq + h) * nkeys;
             float mx = sh[0];
             for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sh[j]);
@@ -149,7 +158,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
           const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
           for (int64_t i = 0; i < nrow; ++i) {
             if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = 0; h < Hq; ++h)
+            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
               axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
           }
         }

@@ -1,0 +1,186 @@
+"""The compiled CPU fused operators (attention/csrc/fused_ops_cpu.cpp) behind models/fused_ops.py on the CPU:
+each against its PyTorch reference expression, the KV-cache write, the OpenMP worker release, and whole tiny
+models through the fused path against the plain one (and against transformers, greedy)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tallyserve.attention import cpu_kernels
+from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+from tallyserve.attention.torch_ref import write_kv_cache
+from tallyserve.models import fused_ops
+from tallyserve.models.layers import RMSNorm, apply_rotary
+from tallyserve.models.loader import load_model, resolve_model
+from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load() or fused_ops._INTERPRET,
+                                reason="no C++ compiler for the CPU kernels (or Triton's interpreter is on)")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rope(tokens: int, dim: int):
+    pos = torch.arange(tokens, dtype=torch.float32) * 7 + 3
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)
+    return emb.cos(), emb.sin()
+
+
+def _norm(n: int, eps: float, g: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(n, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
+    return norm
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_add_rms_norm_updates_the_residual_and_normalises_it(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x, r = torch.randn(tokens, 576, generator=g), torch.randn(tokens, 576, generator=g)
+    norm = _norm(576, 1e-5, g)
+    res = r.clone()
+    got = fused_ops.add_rms_norm(x, res, norm.weight, 1e-5)
+    assert torch.equal(res, r + x)  # the residual stream, exactly as the reference adds it
+    torch.testing.assert_close(got, norm(r + x), rtol=2e-6, atol=2e-6)
+    plain = fused_ops.add_rms_norm(x, None, norm.weight, 1e-5)
+    torch.testing.assert_close(plain, norm(x), rtol=2e-6, atol=2e-6)
+
+
+def test_rotary_in_place_on_a_strided_view_equals_the_reference_bitwise():
+    g = torch.Generator().manual_seed(1)
+    qk = torch.randn(5, 6, 64, generator=g)
+    cos, sin = _rope(5, 64)
+    wide = torch.full((5, 9, 64), 7.0)  # q and k inside a wider qkv row
+    wide[:, 1:7] = qk
+    fused_ops.rotary_(wide[:, 1:7], cos, sin)
+    assert torch.equal(wide[:, 1:7], apply_rotary(qk, cos, sin))
+    assert torch.all(wide[:, [0, 7, 8]] == 7.0)  # neighbours untouched
+
+
+def test_qk_norm_rotary_normalises_q_and_k_heads_with_their_own_weights():
+    g = torch.Generator().manual_seed(2)
+    qk = torch.randn(4, 6, 32, generator=g)
+    qn, kn = _norm(32, 1e-6, g), _norm(32, 1e-6, g)
+    cos, sin = _rope(4, 32)
+    want = torch.cat([apply_rotary(qn(qk[:, :4]), cos, sin), apply_rotary(kn(qk[:, 4:]), cos, sin)], dim=1)
+    got = qk.clone()
+    fused_ops.qk_norm_rotary_(got, qn.weight, kn.weight, 4, 1e-6, cos, sin)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_silu_mul():
+    g = torch.Generator().manual_seed(3)
+    gu = torch.randn(3, 2 * 1536, generator=g) * 6
+    torch.testing.assert_close(fused_ops.silu_mul(gu), F.silu(gu[:, :1536]) * gu[:, 1536:], rtol=2e-6, atol=2e-6)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(RuntimeError, match="residual"):
+        fused_ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tallyserve_cpu.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="cos"):
+        fused_ops.rotary_(torch.randn(2, 3, 8), *_rope(3, 8))
+
+
+def test_kv_cache_write_skips_padding_and_stores_non_finite_values_as_zero():
+    g = torch.Generator().manual_seed(4)
+    cache = torch.full((2, 4, 4, 3, 8), 5.0)
+    want = cache.clone()
+    k, v = torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g)
+    k[1, 2, 3] = float("nan")
+    v[2, 0, 0] = float("inf")
+    slots = torch.tensor([9, 0, -1, 15])
+    torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, slots)
+    write_kv_cache(torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0),
+                   torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), want, slots)
+    assert torch.equal(cache, want)
+    assert cache.view(2, 16, 3, 8)[0, 0, 2, 3] == 0.0 and torch.all(cache.view(2, 16, 3, 8)[:, 1:9] == 5.0)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, torch.tensor([16, 0, 1, 2]))
+
+
+def test_fused_ops_are_off_for_other_dtypes_and_when_disabled(monkeypatch):
+    cpu = torch.device("cpu")
+    assert fused_ops.available(cpu, torch.float32)
+    assert not fused_ops.available(cpu, torch.bfloat16)
+    monkeypatch.setenv("TALLYSERVE_FUSED_KERNELS", "0")
+    assert not fused_ops.available(cpu, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_model_path_matches_plain_path_and_transformers(tmp_path, arch):
+    model_dir = make_tiny_model(str(tmp_path), arch)
+    model = load_model(resolve_model(model_dir, "auto"), "auto", torch.float32, torch.device("cpu"), 0,
+                       CpuSdpaBackend())
+
+    def run():
+        kv = PagedKV(model, num_blocks=48, block_size=4, seed=1)
+        a = kv.step([("a", list(range(3, 14))), ("b", [5, 6, 7])])  # fresh prompts
+        b = kv.step([("a", [20]), ("b", [8, 9, 10, 11])], num_padding=2)  # decode + a chunk over a prefix
+        c = kv.step([("a", [21]), ("b", [12])])  # decode only
+        return torch.cat([a["a"], a["b"], b["a"], b["b"], c["a"], c["b"]])
+
+    plain = run()
+    assert model.enable_fused_kernels() and model.model.fused
+    fused = run()
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    hf = load_hf_model(model_dir)
+    with torch.no_grad():
+        ref = hf(torch.tensor([list(range(3, 14)) + [20, 21]])).logits[0]
+    assert torch.equal(fused[[10, 14, 19]].argmax(-1), ref[[10, 11, 12]].argmax(-1))
+    torch.testing.assert_close(fused[[10, 14, 19]], ref[[10, 11, 12]], rtol=1e-4, atol=1e-4)
+
+
+_POOL_PROBE = r'''
+import os, threading, torch
+from tallyserve.runner.cpu_threads import release_openmp_workers
+torch.set_num_threads(2)
+count = lambda: len(os.listdir("/proc/self/task"))
+torch.randn(256, 256) @ torch.randn(256, 256)  # this thread's worker pool now exists
+with_pool = count()
+ok = release_openmp_workers()
+released = count()
+res = {}
+t = threading.Thread(target=lambda: res.update(mm=(torch.ones(256, 256) @ torch.ones(256, 256))[0, 0].item()))
+t.start(); t.join()
+print("POOL", with_pool, released, ok, res["mm"])
+'''
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_release_openmp_workers_frees_the_calling_threads_pool():
+    """The server builds the engine on one thread and steps it on another: the builder's OpenMP workers
+    must go, or every worker sleeps between operators instead of spinning (the loop thread ran 1.6x slower)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _POOL_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("POOL"))
+    _, with_pool, released, ok, mm = line.split()
+    assert ok == "True"
+    assert int(released) == int(with_pool) - 1  # the one worker thread of a 2-thread pool exited
+    assert float(mm) == 256.0  # a later parallel region on another thread still computes
+
+
+def test_async_engine_start_releases_the_builders_pool(monkeypatch):
+    from tallyserve.engine import async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+
+    from unittest import mock
+
+    idle = mock.MagicMock(tokenizer=None)
+    idle.stats.return_value = {}
+    eng = async_engine.AsyncLLMEngine(idle)
+    monkeypatch.setattr(eng, "_run", lambda: None)
+    eng.start()
+    eng._thread.join(5)
+    assert calls == [threading.get_ident()]  # on the thread that built the engine, before the loop runs
