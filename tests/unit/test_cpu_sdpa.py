@@ -100,3 +100,17 @@ def test_nan_rows_are_not_written_into_the_cache():
     k[1, 0, 0], v[2, 1, 3], k[5, 1, 1] = float("nan"), float("inf"), float("-inf")
     CpuSdpaBackend().forward(q, k, v, cache, meta, 32 ** -0.5)
     assert torch.isfinite(cache).all()
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4), (6, 1), (10, 2)])
+@pytest.mark.parametrize("reqs", [[(37, 1)], [(37, 1), (5, 1)], [(0, 1)], [(200, 1), (3, 2)]])
+def test_one_or_two_decoding_sequences(hq, hkv, reqs):
+    """Fewer requests than threads: the kernel splits them by KV head group (and one-row items of head_dim 64
+    take the register path); the same answer as the dense reference."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check(reqs, hq, hkv, 64, block_size=16, seed=hq * 7 + len(reqs), num_padding=1)
+        check(reqs, hq, hkv, 32, block_size=4, seed=hq * 5 + len(reqs))
+    finally:
+        torch.set_num_threads(prev)

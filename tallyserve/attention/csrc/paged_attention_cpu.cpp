@@ -21,6 +21,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kRowsPerItem = 8;
@@ -57,6 +61,72 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+constexpr bool kHaveRowKernel = true;
+
+// One query row (decode), head_dim 64, query heads [h_lo, h_hi) in groups of G <= 4 sharing a KV head:
+// each key's and value's row of a group is loaded into registers once for all its query heads, the value
+// sums stay in registers across the keys. scores: (Hq * nkeys) scratch, indexed as the generic path.
+void one_row_d64(const float* q, float* o, const float* K, const float* V, const int32_t* blocks, int64_t BS,
+                 int64_t row_stride, int64_t nkeys, int64_t Hq, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
+                 float* scores) {
+  for (int64_t g = h_lo / G; g < h_hi / G; ++g) {
+    const int64_t h0 = g * G;
+    __m512 qv[4][4];
+    for (int64_t a = 0; a < G; ++a)
+      for (int c = 0; c < 4; ++c) qv[a][c] = _mm512_loadu_ps(q + (h0 + a) * 64 + c * 16);
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
+      const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                   k3 = _mm512_loadu_ps(kr + 48);
+      for (int64_t a = 0; a < G; ++a) {
+        __m512 acc = _mm512_mul_ps(qv[a][0], k0);
+        acc = _mm512_fmadd_ps(qv[a][1], k1, acc);
+        acc = _mm512_fmadd_ps(qv[a][2], k2, acc);
+        acc = _mm512_fmadd_ps(qv[a][3], k3, acc);
+        scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(acc) * sc;
+      }
+    }
+    for (int64_t a = 0; a < G; ++a) {
+      float* sh = scores + (h0 + a) * nkeys;
+      float mx = sh[0];
+      for (int64_t j = 1; j < nkeys; ++j) mx = std::max(mx, sh[j]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < nkeys; ++j) {
+        sh[j] = exp_nonpositive(sh[j] - mx);
+        sum += sh[j];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < nkeys; ++j) sh[j] *= inv;
+    }
+    __m512 acc[4][4];
+    for (int64_t a = 0; a < G; ++a)
+      for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
+      const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                   v3 = _mm512_loadu_ps(vr + 48);
+      for (int64_t a = 0; a < G; ++a) {
+        const __m512 p = _mm512_set1_ps(scores[(h0 + a) * nkeys + j]);
+        acc[a][0] = _mm512_fmadd_ps(p, v0, acc[a][0]);
+        acc[a][1] = _mm512_fmadd_ps(p, v1, acc[a][1]);
+        acc[a][2] = _mm512_fmadd_ps(p, v2, acc[a][2]);
+        acc[a][3] = _mm512_fmadd_ps(p, v3, acc[a][3]);
+      }
+    }
+    for (int64_t a = 0; a < G; ++a)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + (h0 + a) * 64 + c * 16, acc[a][c]);
+  }
+  (void)Hq;
+}
+#else
+constexpr bool kHaveRowKernel = false;
+void one_row_d64(const float*, float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                 int64_t, int64_t, int64_t, int64_t, float, float*) {}
+#endif
 
 struct Item {
   int64_t req, row_lo, row_hi, cost, head_lo, head_hi;  // query heads [head_lo, head_hi)
@@ -127,6 +197,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
         const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
         float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
         scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
+        if (kHaveRowKernel && nrow == 1 && D == 64 && G <= 4) {
+          one_row_d64(q0, o0, K, V, blocks, BS, row_stride, nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+          continue;
+        }
         // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
         // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
         for (int64_t j = 0; j < nkeys; ++j) {
