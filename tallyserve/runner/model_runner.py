@@ -270,7 +270,9 @@ class ModelRunner:
         step = AsyncModelRunnerOutput(num_forward_tokens)
         raw = logits
         logits = self._process_logits(so, logits)  # penalties, logit_bias, allowed ids, bad words
-        logits = apply_grammar_bitmask(so, logits, raw)  # structured outputs: grammar rows only
+        # structured outputs: grammar rows only; the unmasked logits are kept only for reported logprobs
+        wants_logprobs = any(e.sample and e.sampling_params.logprobs is not None for e in so.requests)
+        logits = apply_grammar_bitmask(so, logits, raw if wants_logprobs else None)
         row, plain, plain_rows, gens = 0, [], [], []
         for e in so.requests:
             if not e.sample:

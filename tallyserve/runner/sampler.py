@@ -196,8 +196,11 @@ class Sampler:
             token_ids[host_tensor(random_rows, logits.device)] = sampled
         if raw_logits is not None:
             logits = raw_logits.float()
-        logsumexp = logits.logsumexp(dim=-1)
-        sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
+        if any(p.logprobs is not None for p in params):
+            logsumexp = logits.logsumexp(dim=-1)
+            sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
+        else:  # nobody reports them (cumulative_logprob too is reported only with logprobs): skip the pass
+            sampled_logprobs = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)
         out = SampledTensors(token_ids, sampled_logprobs, [i for i, p in enumerate(params) if p.logprobs], [])
         if out.top_rows:
             out.top_ks = [params[i].logprobs for i in out.top_rows]

@@ -96,9 +96,25 @@ def apply_grammar_bitmask(so: "SchedulerOutput", logits: torch.Tensor, raw: Opti
     if raw is not None and logits is raw:
         logits = logits.clone()
     index = host_tensor(rows, logits.device)
+    from tallyserve.structured_output import bitmask_kernel
+
+    if bitmask_kernel.available(logits):  # one kernel, in place on the grammar rows
+        return bitmask_kernel.mask_logits_rows_(logits, _upload(gb.bitmask, logits.device), index)
     masked = mask_rows(logits.index_select(0, index), gb.bitmask)
     logits.index_copy_(0, index, masked)
     return logits
+
+
+def _upload(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host words on ``device``: the engine's reused pinned buffer goes up without waiting."""
+    device = torch.device(device)
+    if device.type == "cpu" or bitmask.device.type != "cpu":
+        return bitmask.to(device)
+    if bitmask.is_pinned():
+        return bitmask.to(device, non_blocking=True)
+    from tallyserve.runner.sampler import host_tensor
+
+    return host_tensor(bitmask.numpy(), device, torch.int32)
 
 
 def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, cpu_kernel: bool = True) -> torch.Tensor:
@@ -109,10 +125,5 @@ def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, cpu_kernel: bool = True
 
         xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=rows.shape[1])
         return rows
-    if bitmask.is_pinned():  # the engine's reused pinned buffer: one non-blocking upload
-        words = bitmask.to(rows.device, non_blocking=True)
-    else:
-        from tallyserve.runner.sampler import host_tensor
-
-        words = host_tensor(bitmask.numpy(), rows.device, torch.int32)
+    words = _upload(bitmask, rows.device)
     return rows.masked_fill_(~allowed_from_bitmask(words, rows.shape[1]), float("-inf"))
