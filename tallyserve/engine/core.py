@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -29,11 +27,7 @@ from tallyserve.runner.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-TIMING_KEYS = ("schedule", "launch", "wait", "update", "grammar", "overlap")
-# While a step's grammar bitmask is filled on the grammar thread, the caller's overlapped work (output
-# processing) runs with this GIL switch interval, so the fill's short Python parts are not held up for the
-# default 5 ms between its GIL-free matcher calls.
-OVERLAP_SWITCH_INTERVAL_S = 0.0002
+TIMING_KEYS = ("schedule", "launch", "wait", "update", "grammar")
 KV_IDLE_WAIT_S = 0.002  # an empty step while only KV transfers are pending: do not spin
 
 
@@ -81,22 +75,16 @@ class EngineCore:
         self.last_so: Optional[SchedulerOutput] = None
         # Structured outputs: fills each step's grammar bitmask (StructuredOutputManager), if set.
         self.grammar = None
-        self._grammar_pool: Optional[ThreadPoolExecutor] = None  # the fill, beside the overlapped work
 
     def has_inflight(self) -> bool:
         return self.inflight is not None
 
     # ----------------------------------------------------------------- the loop
-    def step(self, async_scheduling: bool = False,
-             overlap: Optional[Callable[[list[StepResult]], Callable[[], None]]] = None) -> list[StepResult]:
+    def step(self, async_scheduling: bool = False) -> list[StepResult]:
         """One iteration. Async: schedule and launch step N+1, then complete step N (its tokens
         were on the device meanwhile). Sync: a step in flight is completed first (and alone).
         A step with grammar rows launches its forward pass only; once step N's results are applied
-        (its tokens accepted by the matchers), the bitmask is filled and the sampling queued.
-
-        ``overlap``: with a grammar step under async scheduling, called with step N's results while the
-        bitmask is filled on the grammar thread (the engine processes the outputs then: host work that
-        would otherwise follow the fill); it returns a callable run once the fill is done."""
+        (its tokens accepted by the matchers), the bitmask is filled and the sampling queued."""
         self.active = []
         if not async_scheduling and self.inflight is not None:
             prev, self.inflight = self.inflight, None
@@ -124,10 +112,7 @@ class EngineCore:
             elif so.is_empty and so.kv_transfers:
                 self.scheduler.update(so, {})
         if launched is not None and launched.deferred is not None:
-            work = None
-            if overlap is not None and async_scheduling and results:
-                work = lambda: overlap(list(results))  # noqa: E731
-            failure = self._sample_deferred(launched, work)  # bitmask now: the matchers saw prev's tokens
+            failure = self._sample_deferred(launched)  # grammar bitmask now: the matchers saw prev's tokens
             if failure is not None:
                 launched = None
                 if async_scheduling:
@@ -191,46 +176,21 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one failed step fails only its own requests
             return None, (exc, True)
 
-    def _with_bitmask(self, so: SchedulerOutput, scheduled: dict[str, Request],
-                      work: Optional[Callable[[], Callable[[], None]]] = None) -> SchedulerOutput:
+    def _with_bitmask(self, so: SchedulerOutput, scheduled: dict[str, Request]) -> SchedulerOutput:
         """``so`` with the grammar bitmask of its rows attached (the matchers accept the tokens
-        their requests have on the host first). ``work`` runs on this thread while the grammar thread
-        fills the bitmask (the matcher calls release the GIL); what it returns runs after the fill."""
+        their requests have on the host first)."""
         t0 = time.perf_counter()
-        if work is None:
-            bitmask = self.grammar.bitmask_for(so, scheduled)
-        else:
-            if self._grammar_pool is None:
-                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-            switch = sys.getswitchinterval()
-            sys.setswitchinterval(OVERLAP_SWITCH_INTERVAL_S)
-            fut = self._grammar_pool.submit(self.grammar.bitmask_for, so, scheduled)
-            after = None
-            try:
-                try:
-                    after = work()
-                finally:
-                    self.timings["overlap"] += time.perf_counter() - t0
-                    wait([fut])  # never leave the fill running past this call
-                try:
-                    bitmask = fut.result()
-                except Exception:  # noqa: BLE001 - a fill that raced the overlapped work runs again, alone
-                    bitmask = self.grammar.bitmask_for(so, scheduled)
-            finally:
-                sys.setswitchinterval(switch)
-                if after is not None:
-                    after()
+        bitmask = self.grammar.bitmask_for(so, scheduled)
         self.timings["grammar"] += time.perf_counter() - t0
         return so if bitmask is None else dataclasses.replace(so, grammar_bitmask=bitmask)
 
-    def _sample_deferred(self, launched: _Launched, work: Optional[Callable[[], Callable[[], None]]] = None
-                         ) -> Optional[tuple[Exception, bool]]:
+    def _sample_deferred(self, launched: _Launched) -> Optional[tuple[Exception, bool]]:
         """Fill the bitmask of a step whose forward pass is queued and queue its sampling. Runs
         after the previous step's results were applied, so every grammar row's matcher has
         accepted its request's newest token; the host work overlaps this step's forward pass."""
         deferred, launched.deferred = launched.deferred, None
         try:
-            run_so = self._with_bitmask(launched.so, launched.scheduled, work)
+            run_so = self._with_bitmask(launched.so, launched.scheduled)
             t0 = time.perf_counter()
             launched.handle = deferred.sample(run_so)
             self.grammar.uploaded()

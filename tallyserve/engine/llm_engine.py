@@ -258,26 +258,10 @@ class LLMEngine:
         use_async = self.async_scheduling and not self.beams.groups  # beam groups step synchronously
         self.structured.poll()  # requests whose grammar finished compiling join the scheduler
         outputs, self._pending = self._pending, []
+        results = self.core.step(async_scheduling=use_async)
         touched: dict[str, ParentState] = {}
-        early: list[StepResult] = []
-
-        def overlap(results: list[StepResult]):
-            """The previous step's outputs, processed while this step's grammar bitmask is filled (on the
-            grammar thread): grammar hooks wait until the fill is done (they return as `release`)."""
-            self.structured.hold()
-            try:
-                for result in results:
-                    early.append(result)
-                    self._process(result, touched)
-            except BaseException:
-                self.structured.release()
-                raise
-            return self.structured.release
-
-        results = self.core.step(async_scheduling=use_async, overlap=overlap if self.spec is None else None)
         for result in results:
-            if not any(result is e for e in early):
-                self._process(result, touched)
+            self._process(result, touched)
         if not results and not use_async:
             self.beams.after_step(progressed=False)
         return outputs + self._collect_finished(touched)

@@ -110,26 +110,9 @@ class StructuredOutputHooks:
         parent.error = error
         engine._pending.append(engine._pop_if_finished(parent))
 
-    # While a step's bitmask is being filled on the grammar thread (EngineCore overlaps it with the output
-    # processing of the step before), output processing must not touch matchers or the manager's states:
-    # `after_tokens` and `forget` are queued by `hold()` and run, in order, by `release()` after the fill.
-    def hold(self) -> None:
-        self._held = []
-
-    def release(self) -> None:
-        held, self._held = getattr(self, "_held", None), None
-        for fn, arg in held or ():
-            fn(arg)
-
     def after_tokens(self, seq: "SequenceState") -> None:
         """After a sequence's new tokens were emitted: follow them with its matcher; end the
         sequence when the grammar is done, fail it if the grammar rejected a token."""
-        if getattr(self, "_held", None) is not None:
-            self._held.append((self.after_tokens_now, seq))
-            return
-        self.after_tokens_now(seq)
-
-    def after_tokens_now(self, seq: "SequenceState") -> None:
         req = seq.request
         if req.is_finished() or not self.manager.has(req.request_id):
             return
@@ -142,9 +125,6 @@ class StructuredOutputHooks:
             self.engine._finish_seq(seq, req)
 
     def forget(self, request_id: str) -> None:
-        if getattr(self, "_held", None) is not None:
-            self._held.append((self.manager.forget, request_id))
-            return
         self.manager.forget(request_id)
 
     def shutdown(self) -> None:

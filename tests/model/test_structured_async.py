@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import jsonschema
 import pytest
@@ -288,43 +287,3 @@ def test_batched_matcher_advance_equals_replaying_each_sequence(manager, data, a
     finally:
         for r in reqs:
             m.forget(r.request_id)
-
-
-def test_outputs_are_processed_while_the_bitmask_fills_and_never_touch_its_matchers(model_dir):
-    """Under async scheduling the previous step's outputs are processed while the grammar thread fills the next
-    bitmask; the grammar hooks (matcher sync, forget) wait until the fill is done: none runs during a fill, and
-    the answers (a stop string, a grammar end, n = 2) are exactly the synchronous ones."""
-    stop = SamplingParams(temperature=0.0, max_tokens=120, stop=['"age"'],
-                          structured_outputs=StructuredOutputsParams(json=PERSON, disable_any_whitespace=True))
-    choice = SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=StructuredOutputsParams(choice=CHOICES))
-    prompts = PROMPTS * 3
-    params = [stop] * 3 + [choice] * 3 + [_json(temperature=1.0, seed=5, n=2)] * 3
-    want = LLM(model=model_dir, block_size=4).generate(prompts, params)
-    llm = LLM(model=model_dir, block_size=4, async_scheduling=True)
-    manager = llm.engine.structured.manager
-    filling, clashes, fills = [0], [], []
-    bitmask_for, sync, forget = manager.bitmask_for, manager.sync, manager.forget
-
-    def traced_fill(*args, **kwargs):
-        filling[0] += 1
-        fills.append(threading.current_thread().name)
-        try:
-            return bitmask_for(*args, **kwargs)
-        finally:
-            filling[0] -= 1
-
-    def guard(fn, name):
-        def wrapped(*args, **kwargs):
-            if filling[0] and threading.current_thread().name.startswith("grammar-fill") is False:
-                clashes.append(name)
-            return fn(*args, **kwargs)
-        return wrapped
-
-    manager.bitmask_for, manager.sync, manager.forget = traced_fill, guard(sync, "sync"), guard(forget, "forget")
-    outs = llm.generate(prompts, params)
-    assert _tokens(outs) == _tokens(want)
-    assert [[c.text for c in o.outputs] for o in outs] == [[c.text for c in o.outputs] for o in want]
-    assert clashes == []
-    assert any(name.startswith("grammar-fill") for name in fills)  # the fill did run beside the processing
-    assert llm.engine.core.timings["overlap"] > 0
-    _check_ledger(llm)
