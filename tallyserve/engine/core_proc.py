@@ -81,7 +81,7 @@ class EngineCoreLoop(AsyncLLMEngine):
         self._picked: list[str] = []
         self._sent_stats: Optional[dict] = None
         super().__init__(engine, **kwargs)
-        self.step_observer = self._step_tokens.append
+        self.step_observer = self._observe_tokens
 
     # Health attributes live in shared memory (the server process reads them from there).
     @property
@@ -195,9 +195,11 @@ class EngineCoreLoop(AsyncLLMEngine):
         if not (self._outbox or new_stats is not None or self._step_tokens or self._picked):
             return
         msg = ("step", self._outbox, new_stats, self._step_tokens, self._picked)
-        self._outbox, self._picked = [], []
-        self._step_tokens.clear()  # step_observer appends to this very list
+        self._outbox, self._picked, self._step_tokens = [], [], []
         self._send(msg)
+
+    def _observe_tokens(self, tokens: int) -> None:
+        self._step_tokens.append(tokens)
 
     def _send(self, msg: tuple) -> None:
         try:
