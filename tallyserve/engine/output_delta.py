@@ -7,8 +7,10 @@ to its own copy (`DeltaDecoder`) and hands the streams the same cumulative Reque
 in-thread engine does.
 
 Each list (token ids, logprobs) and the text travel as (keep, new): keep the first `keep` items of
-what was sent before, then append `new`. Growth is the usual case (keep = what was sent), but a stop
-string may end a sequence on a token before the last one sampled, so a sequence can also shrink.
+what was sent before, then append `new`. The engine's token and logprob lists only grow, except that
+a stop string may end a sequence on a token before the last one sampled (a cut, never a rewrite), so
+the encoder sends the new tail, or keeps a prefix; it checks the last token it sent (O(1)) and sends
+the whole list again should that ever differ. The text is compared, so any change travels correctly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _SeqSent:
     """What the server process has of one sequence."""
 
     num_tokens: int = 0
+    last_token: int = -1
     text: str = ""
     num_logprobs: int = 0
 
@@ -43,6 +46,12 @@ class _RequestSent:
 def _keep_and_new(old_len: int, new: list) -> tuple[int, list]:
     keep = min(old_len, len(new))
     return keep, new[keep:]
+
+
+def _token_delta(s: _SeqSent, new: list[int]) -> tuple[int, list[int]]:
+    if s.num_tokens and len(new) >= s.num_tokens and new[s.num_tokens - 1] != s.last_token:
+        return 0, list(new)  # not a growth of what was sent: send it all
+    return _keep_and_new(s.num_tokens, new)
 
 
 def _text_delta(old: str, new: str) -> tuple[int, str]:
@@ -80,10 +89,11 @@ class DeltaEncoder:
             s = sent.seqs.get(c.index)
             if s is None:
                 s = sent.seqs[c.index] = _SeqSent()
-            tok_keep, new_tokens = _keep_and_new(s.num_tokens, c.token_ids)
+            tok_keep, new_tokens = _token_delta(s, c.token_ids)
             text_keep, text_new = _text_delta(s.text, c.text)
             lp_keep, new_lps = (0, None) if c.logprobs is None else _keep_and_new(s.num_logprobs, c.logprobs)
             s.num_tokens, s.text = len(c.token_ids), c.text
+            s.last_token = c.token_ids[-1] if c.token_ids else -1
             s.num_logprobs = 0 if c.logprobs is None else len(c.logprobs)
             any_token = any_token or bool(c.token_ids)
             seqs.append((c.index, tok_keep, new_tokens, text_keep, text_new, lp_keep, new_lps,
