@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from tallyserve.engine.async_engine import DEFAULT_SLOW_CLIENT_TIMEOUT_S, AsyncLLMEngine, _Stream
 from tallyserve.engine.core_proc import (HEALTH_SLOTS, HEARTBEAT, SECONDS_PER_TOKEN, STEP_STARTED, STEP_TOKENS,
-                                         run_engine_core)
+                                         STRUCTURED_STATS_KEY, run_engine_core)
 from tallyserve.engine.errors import EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError
 from tallyserve.engine.health import DEFAULT_STALL_TIMEOUT_S, SEED_SECONDS_PER_TOKEN
 from tallyserve.engine.output_delta import DeltaDecoder
@@ -37,8 +37,8 @@ from tallyserve.engine.output_delta import DeltaDecoder
 logger = logging.getLogger(__name__)
 
 _ERRORS = {cls.__name__: cls for cls in (EngineDeadError, RequestRejectedError, StepFailedError, QueueFullError)}
-_KILL_AFTER_S = 2.0
-_EXIT_GRACE_S = 2.0  # for the engine core process to exit once its loop has stopped  # after shutdown's timeout: terminate, then kill after this long
+_KILL_AFTER_S = 2.0  # how long to wait for a killed engine core process to be gone
+_EXIT_GRACE_S = 2.0  # for the engine core process to exit once its loop has stopped
 
 
 class _PipeInbox:
@@ -153,7 +153,7 @@ class EngineCoreClient(AsyncLLMEngine):
 
     def shutdown(self, timeout: float = 5.0, reason: str = "the server shut down") -> None:
         """Stop the engine core: unfinished requests end with EngineDeadError. If it has not stopped
-        within `timeout` (stuck in a step), it is terminated and its requests are failed from here."""
+        within `timeout` (stuck in a step), it is killed and its requests are failed from here."""
         deadline = time.monotonic() + timeout
         self._inbox.put(("stop", reason))
         if self._thread is not None:
@@ -164,11 +164,8 @@ class EngineCoreClient(AsyncLLMEngine):
     def _stop_process(self, wait: float) -> None:
         proc = self._proc
         proc.join(wait)
-        if proc.is_alive():
-            logger.error("the engine core process did not stop; terminating it")
-            proc.terminate()
-            proc.join(_KILL_AFTER_S)
-        if proc.is_alive():
+        if proc.is_alive():  # it ignores SIGTERM (the server drains first): kill it
+            logger.error("the engine core process did not stop; killing it")
             proc.kill()
             proc.join(_KILL_AFTER_S)
         self._inbox.close()
@@ -207,6 +204,8 @@ class EngineCoreClient(AsyncLLMEngine):
                     self._inbox_times.pop(rid, None)
                 if stats is not None:
                     self._stats = stats
+            if stats is not None and STRUCTURED_STATS_KEY in stats:
+                self.engine.count_structured(*stats[STRUCTURED_STATS_KEY])
         if self.step_observer is not None:
             for tokens in step_tokens:
                 self.step_observer(tokens)
@@ -240,8 +239,8 @@ class EngineCoreClient(AsyncLLMEngine):
 
 class _FrontendEngine:
     """What the server reads from `AsyncLLMEngine.engine` in-thread: the structured-output compile
-    cache (grammars are compiled here to answer 400s, and again in the engine core process), and no
-    KV connector or executor (disaggregated serving runs in-thread)."""
+    cache (grammars are compiled here to answer 400s, and again in the engine core process; its
+    metrics merge both), and no KV connector or executor (disaggregated serving runs in-thread)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         from tallyserve.structured_output.manager import StructuredOutputManager
@@ -250,6 +249,14 @@ class _FrontendEngine:
         self.structured = SimpleNamespace(manager=StructuredOutputManager(tokenizer, vocab_size, eos_token_ids))
         self.kv_connector = None
         self.executor = None
+
+    def count_structured(self, requests: dict[str, int], cache_hits: int) -> None:
+        """The engine core's request and cache-hit counts into the compile stats /metrics reads (this
+        process's validation compiles count compiles, their time and failures, never requests or hits)."""
+        stats = self.structured.manager.stats
+        if stats is not None:
+            stats.requests = dict(requests)
+            stats.cache_hits = cache_hits
 
 
 def _load_tokenizer(info: dict[str, Any], args: Any) -> Any:

@@ -40,6 +40,7 @@ _WATCH_INTERVAL_S = 0.05
 # HealthBoard slots (a shared array of doubles; time.monotonic() is one clock for every process)
 HEARTBEAT, STEP_STARTED, STEP_TOKENS, SECONDS_PER_TOKEN = range(4)
 HEALTH_SLOTS = 4
+STRUCTURED_STATS_KEY = "structured_output_counts"  # in the stats snapshot: (requests by kind, cache hits)
 
 
 class HealthBoard:
@@ -168,6 +169,13 @@ class EngineCoreLoop(AsyncLLMEngine):
             self._send_outbox()
         return reason
 
+    def _publish_stats(self) -> dict[str, Any]:
+        stats = super()._publish_stats()
+        so = self.engine.structured.manager.stats  # None until a structured-output request built the cache
+        if so is not None:  # the server process compiles to validate; requests and hits are counted here
+            stats[STRUCTURED_STATS_KEY] = (dict(so.requests), so.cache_hits)
+        return stats
+
     def _dispatch_beams(self) -> None:  # the last thing of every loop iteration
         super()._dispatch_beams()
         self._send_outbox()
@@ -223,7 +231,11 @@ class EngineCoreLoop(AsyncLLMEngine):
 def run_engine_core(args: Any, cmd_conn: Connection, out_conn: Connection, board: Any, parent_pid: int,
                     log_level: int, loop_kwargs: dict) -> None:
     """The engine core process's entry point (multiprocessing, spawn context)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains in the server process, which stops us
+    # Ctrl-C (SIGINT to the process group) and a SIGTERM to every process of the service (systemd, a
+    # process-group kill) are the server's to handle: it drains, then stops this process over the pipe
+    # (and kills it if it does not stop). Dying here first would fail the requests being drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     from tallyserve.engine.llm_engine import LLMEngine
 

@@ -34,6 +34,14 @@ def proc_server(tiny_model_dir, server_logs):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def thread_server(tiny_model_dir, server_logs):
+    srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--api-key", API_KEY,
+                     "--trust-request-chat-template", "--disable-frontend-multiprocessing")
+    yield srv
+    srv.stop()
+
+
 def _client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, timeout=60.0, max_retries=0)
 
@@ -99,8 +107,8 @@ def _chat(c: openai.OpenAI, stream: bool) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_greedy_outputs_equal_the_in_thread_server(proc_server, api_server, stream):
-    proc, thread = _client(proc_server), _client(api_server)
+def test_greedy_outputs_equal_the_in_thread_server(proc_server, thread_server, stream):
+    proc, thread = _client(proc_server), _client(thread_server)
     got = _completions(proc, stream)
     assert got == _completions(thread, stream)
     assert all(len(lps) == 12 for _, lps in got)  # every token's logprob came across
@@ -110,10 +118,10 @@ def test_greedy_outputs_equal_the_in_thread_server(proc_server, api_server, stre
         [ch.text for ch in thread.completions.create(**n2).choices]
 
 
-def test_beam_search_is_forwarded(proc_server, api_server):
+def test_beam_search_is_forwarded(proc_server, thread_server):
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "n": 2, "use_beam_search": True}
     got = httpx.post(proc_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
-    want = httpx.post(api_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    want = httpx.post(thread_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert got.status_code == 200, got.text
     assert [c["text"] for c in got.json()["choices"]] == [c["text"] for c in want.json()["choices"]]
 
@@ -216,3 +224,65 @@ def test_a_killed_server_leaves_no_engine_core_behind(tiny_model_dir, server_log
         assert _wait_gone(core, 15.0), "the engine core process outlived a killed server"
     finally:
         srv.stop()
+
+
+def test_health_of_a_running_step_comes_from_the_engine_core(tiny_model_dir):
+    """No HTTP: the running step's start and tokens and the learned seconds per token reach the
+    server process from the engine core's shared memory, so a stalled step turns health red while it
+    runs, and a finished one turns it green again."""
+    import asyncio
+
+    from tallyserve import SamplingParams
+    from tallyserve.config import EngineArgs
+    from tallyserve.engine.core_client import EngineCoreClient
+    from tallyserve.engine.errors import FaultKind
+    from tallyserve.engine.health import SEED_SECONDS_PER_TOKEN
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng = EngineCoreClient(EngineArgs(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8),
+                           stall_timeout=0.5)
+    eng.start()
+
+    async def final(rid: str, prompt: str):
+        last = None
+        async for out in eng.generate(rid, prompt, greedy):
+            last = out
+        return last
+
+    async def run():
+        warm = await final("warm", PROMPTS[0])
+        eng.inject_fault(FaultKind.STALL, 2.0)
+        task = asyncio.create_task(final("stalled", PROMPTS[1]))  # no prefix hit: all its prompt computed
+        samples = []
+        while not task.done():
+            samples.append(eng.health())
+            await asyncio.sleep(0.05)
+        return warm, await task, samples
+
+    try:
+        warm, out, samples = asyncio.run(asyncio.wait_for(run(), 60))
+        assert len(warm.outputs[0].token_ids) == len(out.outputs[0].token_ids) == 4
+        running = [h for h in samples if h.step_running_s is not None]
+        assert running and max(h.step_running_s for h in running) > 1.0
+        assert max(h.step_tokens for h in running) == len(out.prompt_token_ids)  # the stalled prefill's
+        assert any(h.stalled and h.pending == 1 for h in running)
+        assert eng.health().seconds_per_token != SEED_SECONDS_PER_TOKEN  # learned in the engine core
+        assert eng.health().healthy and eng.stats()["num_free_blocks"] == eng.stats()["num_total_blocks"]
+    finally:
+        eng.shutdown()
+    assert not eng._proc.is_alive() and eng._proc.exitcode == 0
+
+
+def test_the_engine_core_process_is_the_default(api_server, thread_server):
+    assert _engine_core_pid(api_server) > 0  # the shared server runs with no mode flag
+    assert not [c for c in _children(thread_server.proc.pid)
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_disaggregated_serving_asks_for_the_thread(tiny_model_dir, capsys):
+    from tallyserve.cli import main
+
+    kv = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
+    assert main(["serve", "--model", tiny_model_dir, "--enable-frontend-multiprocessing",
+                 "--kv-transfer-config", kv]) == 2
+    assert "needs the in-thread engine" in capsys.readouterr().err
