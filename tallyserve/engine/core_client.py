@@ -97,7 +97,7 @@ class EngineCoreClient(AsyncLLMEngine):
         try:
             info = self._wait_ready()
         except BaseException:
-            self._stop_process(0.0)
+            self._stop_process(_EXIT_GRACE_S)
             raise
         self.served_model_name = info["served_model_name"]
         self.max_model_len = info["max_model_len"]
@@ -119,7 +119,9 @@ class EngineCoreClient(AsyncLLMEngine):
             raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} while starting") \
                 from exc
         if msg[0] == "failed":
-            raise RuntimeError(f"building the engine failed (in the engine core process): {msg[1]}")
+            if msg[1]:  # bad engine arguments: a ValueError, as the in-thread engine raises
+                raise ValueError(msg[2].removeprefix("ValueError: "))
+            raise RuntimeError(f"building the engine failed (in the engine core process): {msg[2]}")
         return msg[1]
 
     # ----------------------------------------------------------------- health from shared memory

@@ -242,8 +242,9 @@ def run_engine_core(args: Any, cmd_conn: Connection, out_conn: Connection, board
     try:
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 - the server process reports it and exits
-        logger.exception("engine core: building the engine failed")
-        out_conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        if not isinstance(exc, ValueError):  # bad arguments are the server's to report, without a trace
+            logger.exception("engine core: building the engine failed")
+        out_conn.send(("failed", isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"))
         return
     loop = EngineCoreLoop(engine, board, out_conn, **loop_kwargs)
     out_conn.send(("ready", engine_info(engine, loop)))

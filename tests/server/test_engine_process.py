@@ -286,3 +286,13 @@ def test_disaggregated_serving_asks_for_the_thread(tiny_model_dir, capsys):
     assert main(["serve", "--model", tiny_model_dir, "--enable-frontend-multiprocessing",
                  "--kv-transfer-config", kv]) == 2
     assert "needs the in-thread engine" in capsys.readouterr().err
+
+
+def test_bad_engine_arguments_are_a_clean_error(tmp_path, capfd):
+    """As in-thread: the engine core's ValueError becomes `tallyserve: error: ...` and exit code 2."""
+    from tallyserve.cli import main
+
+    missing = str(tmp_path / "no-such-model")
+    assert main(["serve", "--model", missing, "--enable-frontend-multiprocessing"]) == 2
+    err = capfd.readouterr().err  # the engine core's stderr too
+    assert f"tallyserve: error: model '{missing}' does not exist" in err and "Traceback" not in err
