@@ -27,7 +27,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from tallyserve.engine.async_engine import DEFAULT_SLOW_CLIENT_TIMEOUT_S, AsyncLLMEngine, _Stream
+from tallyserve.engine.async_engine import DEFAULT_SLOW_CLIENT_TIMEOUT_S, AsyncLLMEngine
 from tallyserve.engine.core_proc import (HEALTH_SLOTS, HEARTBEAT, SECONDS_PER_TOKEN, STEP_STARTED, STEP_TOKENS,
                                          STRUCTURED_STATS_KEY, run_engine_core)
 from tallyserve.engine.errors import EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError
@@ -66,18 +66,8 @@ class EngineCoreClient(AsyncLLMEngine):
     def __init__(self, args: Any, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
                  max_queue_len: Optional[int] = None,
                  slow_client_timeout: Optional[float] = DEFAULT_SLOW_CLIENT_TIMEOUT_S) -> None:
-        # AsyncLLMEngine.__init__ needs an engine; this sets what its methods use instead.
-        self.stall_timeout = stall_timeout
-        self.max_queue_len = max_queue_len
-        self.slow_client_timeout = slow_client_timeout
-        self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
-        self._inbox_times: dict[str, float] = {}
-        self._dead_reason: Optional[str] = None
-        self._flush = False
-        self._thread: Optional[threading.Thread] = None
-        self.draining = False
-        self.step_observer = None
+        # No AsyncLLMEngine.__init__ (it needs an engine): its caller-side state only.
+        self._init_streams(stall_timeout, max_queue_len, slow_client_timeout)
         self._decoder = DeltaDecoder()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._board = ctx.RawArray("d", HEALTH_SLOTS)  # lock-free: single writer, float slots
