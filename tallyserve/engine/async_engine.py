@@ -77,11 +77,7 @@ class AsyncLLMEngine:
                  max_queue_len: Optional[int] = None,
                  slow_client_timeout: Optional[float] = DEFAULT_SLOW_CLIENT_TIMEOUT_S) -> None:
         self.engine = engine
-        self.stall_timeout = stall_timeout
-        self.max_queue_len = max_queue_len
-        # Read by the server's SSE responses: a stream whose client does not read for this long is
-        # aborted (None: never).
-        self.slow_client_timeout = slow_client_timeout
+        self._init_streams(stall_timeout, max_queue_len, slow_client_timeout)
         # A private tokenizer copy for the event-loop side (the engine's is used by the loop thread).
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.served_model_name = engine.served_model_name
@@ -90,17 +86,27 @@ class AsyncLLMEngine:
         self.max_logprobs = engine.config.args.max_logprobs
         self.block_size = engine.config.cache_config.block_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._flush = False  # loop thread only: a cancelled beam group may leave KV copies queued
+        self._heartbeat = time.monotonic()
+        self._step_started: Optional[float] = None  # loop thread writes: when the running step began
+        self._seconds_per_token = SEED_SECONDS_PER_TOKEN  # loop thread writes: EMA over finished steps
+        self._stats: dict[str, Any] = engine.stats()
+
+    def _init_streams(self, stall_timeout: float, max_queue_len: Optional[int],
+                      slow_client_timeout: Optional[float]) -> None:
+        """The caller-side state: limits, streams, admission bookkeeping (also EngineCoreClient's,
+        whose engine runs in another process)."""
+        self.stall_timeout = stall_timeout
+        self.max_queue_len = max_queue_len
+        # Read by the server's SSE responses: a stream whose client does not read for this long is
+        # aborted (None: never).
+        self.slow_client_timeout = slow_client_timeout
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # guarded by _lock
         # Submit time of each request in the inbox, oldest first, until the loop picks it up; _lock.
         self._inbox_times: dict[str, float] = {}
         self._dead_reason: Optional[str] = None  # set once, under _lock, when the loop ends
-        self._flush = False  # loop thread only: a cancelled beam group may leave KV copies queued
         self._thread: Optional[threading.Thread] = None
-        self._heartbeat = time.monotonic()
-        self._step_started: Optional[float] = None  # loop thread writes: when the running step began
-        self._seconds_per_token = SEED_SECONDS_PER_TOKEN  # loop thread writes: EMA over finished steps
-        self._stats: dict[str, Any] = engine.stats()
         self.draining = False
         # Called from the loop thread with the number of tokens each non-empty step scheduled.
         self.step_observer: Optional[Callable[[int], None]] = None

@@ -60,6 +60,14 @@ def register(subparsers) -> None:
                         "llama3_json, mistral)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with --api-key they need the key)")
+    mp = p.add_mutually_exclusive_group()
+    mp.add_argument("--enable-frontend-multiprocessing", dest="frontend_multiprocessing", action="store_true",
+                    default=None,
+                    help="run the engine's step loop in its own process (the engine core process), so that HTTP "
+                         "and streaming work in the server process does not take time from the steps (the "
+                         "default, except with --kv-transfer-config)")
+    mp.add_argument("--disable-frontend-multiprocessing", dest="frontend_multiprocessing", action="store_false",
+                    default=None, help="run the engine's step loop in a thread of the server process")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true")
     add_engine_args(p)
@@ -227,18 +235,38 @@ def serve_worker_node(ns: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def build_engine(ns: argparse.Namespace):
+    """The server's engine: the step loop in the engine core process behind an EngineCoreClient
+    (frontend multiprocessing, the default), or in a thread of this process (AsyncLLMEngine:
+    --disable-frontend-multiprocessing, and disaggregated serving, whose KV connector the server uses)."""
+    args = engine_args_from(ns)
+    limits = dict(stall_timeout=ns.stall_timeout, max_queue_len=ns.max_queue_len,
+                  slow_client_timeout=ns.slow_client_timeout)
+    in_process = getattr(ns, "frontend_multiprocessing", None)
+    if args.kv_transfer_config is not None:  # disaggregated serving: its connector lives with the server
+        if in_process:
+            raise ValueError("--kv-transfer-config (disaggregated serving) needs the in-thread engine: "
+                             "drop --enable-frontend-multiprocessing")
+        in_process = False
+    if in_process is None or in_process:
+        from tallyserve.engine.core_client import EngineCoreClient
+
+        return EngineCoreClient(args, **limits)
+    from tallyserve.engine.async_engine import AsyncLLMEngine
+    from tallyserve.engine.llm_engine import LLMEngine
+
+    return AsyncLLMEngine(LLMEngine(args), **limits)
+
+
 def serve(ns: argparse.Namespace) -> int:
     _validate(ns)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (ns.node_rank or 0) > 0:
         return serve_worker_node(ns)
     raise_open_file_limit()
-    from tallyserve.engine.async_engine import AsyncLLMEngine
-    from tallyserve.engine.llm_engine import LLMEngine
     from tallyserve.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine(engine_args_from(ns)), stall_timeout=ns.stall_timeout,
-                            max_queue_len=ns.max_queue_len, slow_client_timeout=ns.slow_client_timeout)
+    engine = build_engine(ns)
     if engine.engine.kv_connector is not None:  # the address consumers pull this instance's KV from
         engine.engine.kv_connector.advertise(ns.host, ns.port)
     app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,

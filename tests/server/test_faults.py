@@ -1,6 +1,7 @@
 """Injected faults on a live server (--enable-fault-injection): a failed step fails only its
 requests, a stalled loop fails /health and fills the queue (429), a dead loop fails everything
-pending at once and refuses new work (503). The dead-loop test runs last: it ends the server."""
+pending at once and refuses new work (503). The dead-loop test runs last: it ends the server. Each test
+runs with the step loop in a thread of the server and in the engine core process."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ GOOD = {"model": MODEL, "prompt": "Hello, world!", "max_tokens": 8, "temperature
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, server_logs):
+@pytest.fixture(scope="module", params=["--disable-frontend-multiprocessing", "--enable-frontend-multiprocessing"],
+                ids=["thread", "process"])
+def server(tiny_model_dir, server_logs, request):
     srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--enable-fault-injection",
-                     "--stall-timeout", str(STALL_TIMEOUT_S), "--max-queue-len", str(MAX_QUEUE_LEN))
+                     "--stall-timeout", str(STALL_TIMEOUT_S), "--max-queue-len", str(MAX_QUEUE_LEN), request.param)
     yield srv
     srv.stop()
 

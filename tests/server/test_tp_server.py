@@ -24,23 +24,40 @@ CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]
 MAX_TOKENS = 16
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # gone
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _spawned(pid: int) -> bool:
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _worker_pids(server_pid: int, expect: int = 2, timeout: float = 10.0) -> list[int]:
-    """The server's tensor-parallel workers: its children started by multiprocessing's spawn."""
+    """The server's tensor-parallel workers: the processes multiprocessing's spawn started under the
+    server that started none themselves (with the step loop in the engine core process, they are its
+    children; in-thread, the server's)."""
     deadline = time.monotonic() + timeout
     while True:
-        pids = []
-        for task in Path(f"/proc/{server_pid}/task").iterdir():
-            try:
-                children = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for c in children:
-                try:
-                    cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ")
-                except OSError:
-                    continue
-                if b"spawn_main" in cmd:
-                    pids.append(int(c))
+        pids, todo = [], [server_pid]
+        while todo:
+            pid = todo.pop()
+            kids = [c for c in _children(pid) if _spawned(c)]
+            if pid != server_pid and not kids:
+                pids.append(pid)
+            todo += kids
         if len(pids) == expect or time.monotonic() > deadline:
             assert len(pids) == expect, pids
             return sorted(pids)
