@@ -8,6 +8,7 @@ fails, `load()` returns False once, with a logged warning, and callers keep thei
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
             Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"]
+_HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h"]
 _NAME = "tallyserve_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -37,8 +39,12 @@ def load(verbose: bool = False) -> bool:
         try:
             from torch.utils import cpp_extension
 
+            headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(_HEADERS))).hexdigest()[:12]
             cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], is_python_module=False,
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               # the headers' hash in the flags: a header change alone rebuilds too
+                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+                                             f"-DTALLYSERVE_HEADERS={headers}"],
+                               extra_ldflags=["-fopenmp"],
                                verbose=verbose)
             _state["ok"] = hasattr(torch.ops.tallyserve_cpu, "paged_attention")
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers: the PyTorch paths stay

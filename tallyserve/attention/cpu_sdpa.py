@@ -152,10 +152,10 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     if plan.all_paged:  # decode and short chunks only: the kernel's output is the answer (padding rows zero)
         return torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), kv_cache, plan.tables, plan.qsl, plan.lens,
                                                         scale)
-    out = torch.zeros_like(q)
-    for lo, hi in plan.fresh:
-        kk, vv = (torch.nan_to_num(t[lo:hi], nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))  # as cached
-        out[lo:hi] = _causal_flash(q[lo:hi], kk, vv, scale)
+    out = torch.empty_like(q)
+    out[meta.num_tokens:] = 0  # padding rows; every request's rows are written below
+    for lo, hi in plan.fresh:  # k, v: as cached (finite)
+        out[lo:hi] = _causal_flash(q[lo:hi], k[lo:hi], v[lo:hi], scale)
     for i, lo, hi in plan.long:
         out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
                                      scale).to(q.dtype)
@@ -200,7 +200,9 @@ class CpuSdpaBackend(AttentionBackend):
         check_attention_inputs(q, k, v, kv_cache, meta)
         if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
             # one pass: rows to their slots, non-finite values stored as 0 (the cache stays finite, see above)
-            torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping)
+            if torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping):
+                k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # fresh chunks attend what was cached
+                v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
             return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
         k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # the cache stays finite (see above)
         v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)

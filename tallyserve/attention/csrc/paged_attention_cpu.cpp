@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -41,26 +43,8 @@ inline void axpy(float* y, const float* x, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
-// exp(x) for the softmax's x = score - max <= 0, in plain float arithmetic the compiler vectorizes (a libm
-// call per score cost more than the whole dot products): Cody-Waite reduction by ln 2 and a degree-6
-// polynomial, within 2 ulp of expf; inputs below -87 (weights under 1e-38) give about 1e-38, not 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// exp(x) for the softmax's x = score - max <= 0 (cpu_math.h: vectorizable, within 2 ulp of expf).
+inline float exp_nonpositive(float x) { return tallyserve_cpu_math::exp_float(x); }
 
 #if defined(__AVX512F__)
 constexpr bool kHaveRowKernel = true;
