@@ -100,14 +100,25 @@ def metrics(base_url: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and every KV block is free; return the last sample."""
+def _counters(m: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in m.items() if k.startswith("tallyserve_") and "_total" in k}
+
+
+def wait_idle(base_url: str, timeout: float = 10.0, settle: float = 0.3) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and every KV block is free, and two samples ``settle`` seconds
+    apart agree (the engine core process publishes its counters with its next step or idle tick, so a
+    just-aborted request can still be missing from the first idle sample); return the last sample."""
     deadline = time.monotonic() + timeout
     m = metrics(base_url)
     while time.monotonic() < deadline:
         if (m["tallyserve_num_requests_running"] == 0 and m["tallyserve_num_requests_waiting"] == 0
                 and m["tallyserve_kv_blocks_free"] == m["tallyserve_kv_blocks_total"]):
-            return m
+            time.sleep(settle)
+            again = metrics(base_url)
+            if _counters(again) == _counters(m):
+                return again
+            m = again
+            continue
         time.sleep(0.1)
         m = metrics(base_url)
     return m
