@@ -102,14 +102,24 @@ def test_64_concurrent_streams_with_disconnects(server):
 def test_non_streaming_clients_that_give_up_abort_their_requests(server):
     """A client that stops waiting for a non-streamed answer (timeout, cancel) frees its blocks
     at once: its request ends as an abort, not after its 400 tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     before = wait_idle(server.base_url)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def running(client) -> float:
+        text = (await client.get("/metrics")).text
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "tallyserve_num_requests_running")
 
     async def run():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
-            await asyncio.sleep(0.5)
+            # give up once all eight are generating (a fixed wait was either too short for a loaded machine
+            # or long enough for the tiny model to finish some of them)
+            while await running(client) < 8 and not any(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
