@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from h200_bench import mixed_prompts, run_requests  # noqa: E402
 from h200_checks import log  # noqa: E402
+from serving_overhead import _wait_healthy  # noqa: E402
 
 
 def _write_trace(path: Path, prompts, max_tokens: int) -> None:
@@ -58,20 +59,6 @@ def _metrics(url: str) -> dict:
             except ValueError:
                 pass
     return out
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError("server not healthy in time")
 
 
 def _pct_err(sim: float, real: float) -> float:

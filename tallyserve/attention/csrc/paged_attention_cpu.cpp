@@ -46,6 +46,21 @@ inline void axpy(float* y, const float* x, float w, int64_t n) {
 // exp(x) for the softmax's x = score - max <= 0 (cpu_math.h: vectorizable, within 2 ulp of expf).
 inline float exp_nonpositive(float x) { return tallyserve_cpu_math::exp_float(x); }
 
+// Softmax of n scores in place, in float32 like the reference: max, exp, sum, scale.
+inline void softmax_inplace(float* s, int64_t n) {
+  float mx = s[0];
+  for (int64_t j = 1; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
 #if defined(__AVX512F__)
 constexpr bool kHaveRowKernel = true;
 
@@ -72,20 +87,7 @@ void one_row_d64(const float* q, float* o, const float* K, const float* V, const
         scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(acc) * sc;
       }
     }
-    for (int64_t a = 0; a < G; ++a) {
-      float* sh = scores + (h0 + a) * nkeys;
-      float mx = sh[0];
-      for (int64_t j = 1; j < nkeys; ++j) mx = std::max(mx, sh[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < nkeys; ++j) {
-        sh[j] = exp_nonpositive(sh[j] - mx);
-        sum += sh[j];
-      }
-      const float inv = 1.f / sum;
-#pragma omp simd
-      for (int64_t j = 0; j < nkeys; ++j) sh[j] *= inv;
-    }
+    for (int64_t a = 0; a < G; ++a) softmax_inplace(scores + (h0 + a) * nkeys, nkeys);
     __m512 acc[4][4];
     for (int64_t a = 0; a < G; ++a)
       for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
@@ -197,20 +199,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
         }
         for (int64_t i = 0; i < nrow; ++i) {
           const int64_t n = len - rows + w.row_lo + i + 1;
-          for (int64_t h = w.head_lo; h < w.head_hi; ++h) {
-            float* sh = scores.data() + (i * Hq + h) * nkeys;
-            float mx = sh[0];
-            for (int64_t j = 1; j < n; ++j) mx = std::max(mx, sh[j]);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-              sh[j] = exp_nonpositive(sh[j] - mx);
-              sum += sh[j];
-            }
-            const float inv = 1.f / sum;
-#pragma omp simd
-            for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
-          }
+          for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
         }
         for (int64_t j = 0; j < nkeys; ++j) {
           const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
