@@ -48,7 +48,28 @@ inline float exp_nonpositive(float x) { return tallyserve_cpu_math::exp_float(x)
 
 // Softmax of n scores in place, in float32 like the reference: max, exp, sum, scale.
 inline void softmax_inplace(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 mx16 = _mm512_set1_ps(s[0]);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    mx16 = _mm512_mask_max_ps(mx16, m, mx16, _mm512_maskz_loadu_ps(m, s + j));
+  }
+  const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = tallyserve_cpu_math::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mxv));
+    sum16 = _mm512_mask_add_ps(sum16, m, sum16, e);
+    _mm512_mask_storeu_ps(s + j, m, e);
+  }
+  const __m512 inv16 = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum16));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv16));
+  }
+#else
   float mx = s[0];
+#pragma omp simd reduction(max : mx)
   for (int64_t j = 1; j < n; ++j) mx = std::max(mx, s[j]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -59,32 +80,68 @@ inline void softmax_inplace(float* s, int64_t n) {
   const float inv = 1.f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+#endif
 }
 
 #if defined(__AVX512F__)
 constexpr bool kHaveRowKernel = true;
 
-// One query row (decode), head_dim 64, query heads [h_lo, h_hi) in groups of G <= 4 sharing a KV head:
-// each key's and value's row of a group is loaded into registers once for all its query heads, the value
-// sums stay in registers across the keys. scores: (Hq * nkeys) scratch, indexed as the generic path.
+// The sums of eight vectors' lanes, as one vector: [sum(v[0]), ..., sum(v[7])].
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// The products of one head_dim-64 query (four registers) and key row, in 16 lanes.
+inline __m512 dot64(const __m512* qv, const float* kr) {
+  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+  acc = _mm512_fmadd_ps(qv[1], _mm512_loadu_ps(kr + 16), acc);
+  acc = _mm512_fmadd_ps(qv[2], _mm512_loadu_ps(kr + 32), acc);
+  return _mm512_fmadd_ps(qv[3], _mm512_loadu_ps(kr + 48), acc);
+}
+
+// The same, folded to 8 lanes.
+inline __m256 dot64_half(const __m512* qv, const float* kr) {
+  const __m512 acc = dot64(qv, kr);
+  return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+}
+
+// One query row (decode), head_dim 64, query heads [h_lo, h_hi) in groups of G <= 4 sharing a KV head.
+// Scores: eight keys at a time per query head, their lane sums reduced together (one reduction of eight
+// vectors instead of eight full horizontal sums: the shuffles were the bottleneck). Values: each value row
+// of a group is loaded into registers once for all its query heads, the sums stay in registers across the
+// keys. scores: (Hq * nkeys) scratch, indexed as the generic path.
 void one_row_d64(const float* q, float* o, const float* K, const float* V, const int32_t* blocks, int64_t BS,
                  int64_t row_stride, int64_t nkeys, int64_t Hq, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
                  float* scores) {
+  const __m256 scale8 = _mm256_set1_ps(sc);
   for (int64_t g = h_lo / G; g < h_hi / G; ++g) {
     const int64_t h0 = g * G;
-    __m512 qv[4][4];
-    for (int64_t a = 0; a < G; ++a)
-      for (int c = 0; c < 4; ++c) qv[a][c] = _mm512_loadu_ps(q + (h0 + a) * 64 + c * 16);
-    for (int64_t j = 0; j < nkeys; ++j) {
-      const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
-      const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                   k3 = _mm512_loadu_ps(kr + 48);
+    const float* Kg = K + g * 64;
+    int64_t j0 = 0;
+    for (; j0 + 8 <= nkeys; j0 += 8) {
+      const float* kr[8];
+      for (int u = 0; u < 8; ++u) {
+        const int64_t j = j0 + u;
+        kr[u] = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+      }
       for (int64_t a = 0; a < G; ++a) {
-        __m512 acc = _mm512_mul_ps(qv[a][0], k0);
-        acc = _mm512_fmadd_ps(qv[a][1], k1, acc);
-        acc = _mm512_fmadd_ps(qv[a][2], k2, acc);
-        acc = _mm512_fmadd_ps(qv[a][3], k3, acc);
-        scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(acc) * sc;
+        const float* qh = q + (h0 + a) * 64;
+        const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
+                              _mm512_loadu_ps(qh + 48)};
+        __m256 part[8];
+        for (int u = 0; u < 8; ++u) part[u] = dot64_half(qv, kr[u]);
+        _mm256_storeu_ps(scores + (h0 + a) * nkeys + j0, _mm256_mul_ps(hsum8(part), scale8));
+      }
+    }
+    for (int64_t a = 0; a < G; ++a) {
+      const float* qh = q + (h0 + a) * 64;
+      const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
+                            _mm512_loadu_ps(qh + 48)};
+      for (int64_t j = j0; j < nkeys; ++j) {
+        const float* kr = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+        scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(dot64(qv, kr)) * sc;
       }
     }
     for (int64_t a = 0; a < G; ++a) softmax_inplace(scores + (h0 + a) * nkeys, nkeys);
