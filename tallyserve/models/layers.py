@@ -16,6 +16,10 @@ compute (same calls), and ``shard_specs()`` is empty.
     rank's tail is zero padding); ids outside a rank's slice give zeros, then one all-reduce.
   * ``ParallelLMHead``: the same vocab slice as the embedding (so tied weights just work); the
     local logits are gathered onto rank 0 (``compute_logits``).
+
+Every projection goes through ``linear``: a bfloat16 weight under float32 activations (the CPU's
+``dtype="bfloat16"``, see ``LlamaForCausalLM.set_matmul_dtype``) runs the product in bfloat16 (AMX /
+AVX512-BF16 on CPUs that have them) and hands float32 back to the norms, RoPE, attention and KV cache.
 """
 
 from __future__ import annotations
@@ -31,6 +35,38 @@ from torch import nn
 from tallyserve.distributed import parallel_state
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``F.linear``, returned in ``out_dtype`` (default x's dtype). With a weight stored in another dtype than
+    ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
+    bias (kept in the model's dtype) is added to the converted product."""
+    out_dtype = out_dtype or x.dtype
+    if weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
+        # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
+        out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
+        return out if bias is None else out.add_(bias)
+    if weight.dtype == x.dtype == out_dtype and (bias is None or bias.dtype == out_dtype):
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(weight.dtype), weight).to(out_dtype)
+    return out if bias is None else out.add_(bias)
+
+
+_GEMV_MAX_ROWS = 4
+_gemv_ok: list[bool] = []
+
+
+def _cpu_gemv(weight: torch.Tensor) -> bool:
+    """Whether ``tallyserve_cpu::gemv_bf16`` serves this weight (a contiguous CPU tensor; the kernels built
+    with AVX512-BF16)."""
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        return False
+    if not _gemv_ok:
+        from tallyserve.attention import cpu_kernels
+
+        _gemv_ok.append(bool(cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "gemv_bf16")))
+    return _gemv_ok[0]
 
 
 class RMSNorm(nn.Module):
@@ -167,6 +203,9 @@ class ColumnParallelLinear(nn.Linear):
             return {}
         return {"weight": self.shard, **({"bias": self.shard} if self.bias is not None else {})}
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_local W_local^T) + b, with W's input columns split across ranks and the
@@ -183,8 +222,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = parallel_state.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = parallel_state.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -222,11 +261,14 @@ class ParallelLMHead(nn.Linear):
     def shard_specs(self) -> dict[str, ShardSpec]:
         return {"weight": self.shard} if self.tp_size > 1 else {}
 
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden (N, embedding_dim) -> float32 (N, vocab) on rank 0; None on the other ranks."""
         if self.tp_size == 1:
-            return F.linear(hidden, self.weight).float()
-        logits = parallel_state.gather_last_dim(F.linear(hidden, self.weight), dst=0)
+            return linear(hidden, self.weight).float()
+        logits = parallel_state.gather_last_dim(linear(hidden, self.weight), dst=0)
         return None if logits is None else logits[:, : self.vocab_size].float()
 
 
@@ -243,12 +285,14 @@ class GatedMLP(nn.Module):
         self.gate_up_weight: Optional[torch.Tensor] = None  # set by fuse()
 
     @torch.no_grad()
-    def fuse(self) -> None:
-        """One gate/up projection; the two Linear weights become views of it (no extra memory)."""
+    def fuse(self, dtype: Optional[torch.dtype] = None) -> None:
+        """One gate/up projection (in ``dtype``, default the weights' own); the two Linear weights become
+        views of it (no extra memory)."""
         if self.gate_proj.bias is not None:
             return  # rare; the separate projections stay
         n = self.gate_proj.weight.shape[0]
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(
+            dtype or self.gate_proj.weight.dtype)
         self.gate_proj.weight.data = self.gate_up_weight[:n]
         self.up_proj.weight.data = self.gate_up_weight[n:]
 
@@ -256,5 +300,6 @@ class GatedMLP(nn.Module):
         if self.gate_up_weight is not None:
             from tallyserve.models.fused_ops import silu_mul
 
-            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+            # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
+            return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

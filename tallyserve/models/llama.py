@@ -43,6 +43,7 @@ from tallyserve.models.layers import (
     ShardSpec,
     VocabParallelEmbedding,
     apply_rotary,
+    linear,
     vocab_shard,
 )
 from tallyserve.models.model_config import ModelConfig
@@ -142,12 +143,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.qkv_weight: torch.Tensor | None = None  # set by fuse(): [q; k; v] in one matrix
         self.qkv_bias: torch.Tensor | None = None
+        self.act_dtype: torch.dtype | None = None  # set by set_matmul_dtype: q/k/v come back in the model's dtype
 
     @torch.no_grad()
-    def fuse(self) -> None:
-        """One q/k/v projection; the three Linear weights become views of it (no extra memory)."""
+    def fuse(self, dtype: Optional[torch.dtype] = None) -> None:
+        """One q/k/v projection (in ``dtype``, default the weights' own); the three Linear weights become
+        views of it (no extra memory)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight for p in projs])
+        self.qkv_weight = torch.cat([p.weight for p in projs]).to(dtype or self.q_proj.weight.dtype)
         if self.q_proj.bias is not None:
             self.qkv_bias = torch.cat([p.bias for p in projs])
         start = 0
@@ -176,7 +179,7 @@ class LlamaAttention(nn.Module):
 
     def _forward_fused(self, x, rope, kv_cache, meta) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, out_dtype=self.act_dtype)
         cos, sin = rope
         qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
         if self.qk_norm:
@@ -218,6 +221,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.fused = False
+        self.matmul_dtype: Optional[torch.dtype] = None  # set_matmul_dtype: the layer norms hand it to the matmuls
 
     def forward(
         self,
@@ -236,17 +240,18 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, x, rope, kv_caches, attn_meta) -> torch.Tensor:
         """The same computation with the residual stream threaded through fused add + RMSNorm."""
-        residual = x
-        h = fused_ops.add_rms_norm(x, None, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
+        residual, mm = x, self.matmul_dtype
+        h = fused_ops.add_rms_norm(x, None, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps,
+                                   out_dtype=mm)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i:
                 norm = layer.input_layernorm
-                h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+                h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps, out_dtype=mm)
             h = layer.self_attn(h, rope, kv_cache, attn_meta)
             norm = layer.post_attention_layernorm
-            h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+            h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps, out_dtype=mm)
             h = layer.mlp(h)
-        return fused_ops.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        return fused_ops.add_rms_norm(h.to(residual.dtype), residual, self.norm.weight, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -343,6 +348,31 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
         self.model.fused = True
         return True
+
+    @torch.no_grad()
+    def set_matmul_dtype(self, dtype: torch.dtype) -> None:
+        """Store the projections (q/k/v, o, gate/up, down, lm_head) in ``dtype`` and run their matmuls in it,
+        while everything else (embedding, norms, RoPE, attention, KV cache, residual stream) stays in the
+        model's dtype: the CPU's ``dtype="bfloat16"``, bfloat16 matmuls (AMX where the CPU has it) in a float32
+        model. Call after ``enable_fused_kernels``; a tied lm_head gets its own copy."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = [attn] if attn.qkv_weight is not None else []
+            fused += [mlp] if mlp.gate_up_weight is not None else []
+            for module in fused:
+                module.fuse(dtype)
+            projs = [attn.o_proj, mlp.down_proj]
+            projs += [] if attn.qkv_weight is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            projs += [] if mlp.gate_up_weight is not None else [mlp.gate_proj, mlp.up_proj]
+            for proj in projs:
+                proj.weight.data = proj.weight.to(dtype)
+        # its own parameter: a tied lm_head shares the embedding's, which stays in the model's dtype
+        self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
+        if self.model.fused and self.model.embed_tokens.weight.device.type == "cpu":
+            # the norms hand the matmuls bfloat16 and the MLP stays in it; q/k/v return in the model's dtype
+            self.model.matmul_dtype = dtype
+            for layer in self.model.layers:
+                layer.self_attn.act_dtype = self.model.embed_tokens.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size). Under tensor parallelism

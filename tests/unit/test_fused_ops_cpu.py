@@ -185,3 +185,67 @@ def test_async_engine_start_releases_the_builders_pool(monkeypatch):
     eng.start()
     eng._thread.join(5)
     assert calls == [threading.get_ident()]  # on the thread that built the engine, before the loop runs
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 64), (33, 1000)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_bf16_rounds_once_and_updates_the_float32_residual(rows, n, x_dtype):
+    g = torch.Generator().manual_seed(rows * n)
+    x = (torch.randn(rows, n, generator=g) * 3).to(x_dtype)
+    res = torch.randn(rows, n, generator=g)
+    norm = _norm(n, 1e-5, g)
+    want_res = x.float() + res
+    want = (norm.weight * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-5))).to(torch.bfloat16)
+    got = fused_ops.add_rms_norm(x, res, norm.weight, 1e-5, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(res, want_res)  # the residual stream stays float32, updated in place
+    # one rounding of the float32 result: equal, or one bf16 ulp where the float32 sums differ in the last bit
+    assert (got.float() - want.float()).abs().le(want.float().abs() * 2 ** -7 + 1e-30).all()
+    assert (got != want).float().mean() < 0.01
+    no_res = fused_ops.add_rms_norm(x, None, norm.weight, 1e-5, out_dtype=torch.bfloat16)
+    xf = x.float()
+    ref = (norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))).to(torch.bfloat16)
+    assert (no_res != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (7, 40), (64, 17)])
+def test_silu_mul_bf16_matches_float32_math_rounded_once(rows, n):
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(torch.bfloat16)
+    gate_up[0, 0], gate_up[0, n] = -100.0, 2.0  # exp overflow side: silu(-100) is about -0
+    gf = gate_up.float()
+    want = (F.silu(gf[:, :n]) * gf[:, n:]).to(torch.bfloat16)
+    got = fused_ops.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2 ** -7 + 1e-30).all()  # at most one bf16 ulp (exp within 2 float ulp)
+    assert (got != want).float().mean() < 0.01
+    assert got[0, 0].abs() < 1e-30
+    nan = gate_up.clone()
+    nan[0, 1] = float("nan")
+    assert torch.isnan(fused_ops.silu_mul(nan)[0, 1])
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.tallyserve_cpu, "gemv_bf16") if cpu_kernels.load() else True,
+                    reason="the kernels were built without AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 1536), (33, 40)])
+def test_gemv_bf16_equals_float32_sums_of_bf16_products_rounded_once(rows, n, k):
+    from tallyserve.models.layers import linear
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    got = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16), w)
+    exact = (x.to(torch.bfloat16).double() @ w.double().T)
+    want = exact.to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums in another order than the float64 reference: within one bf16 ulp, nearly always equal
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    assert (got != want).float().mean() < 0.02
+    # linear() takes this kernel for up to four rows, then adds the float32 bias to the float32 result
+    out = linear(x, w, bias)
+    assert out.dtype == torch.float32 and torch.equal(out, got.float() + bias)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        torch.ops.tallyserve_cpu.gemv_bf16(torch.zeros(5, k, dtype=torch.bfloat16), w)

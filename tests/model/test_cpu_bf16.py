@@ -1,0 +1,82 @@
+"""dtype="bfloat16" on the CPU: bfloat16 projections (weights and matmuls) in a float32 model.
+
+The reference is Hugging Face's float32 model with every nn.Linear doing what tallyserve's ``linear`` does
+(input rounded to bfloat16, bfloat16 product, float32 out, bias added in float32): greedy tokens must match
+token for token, and the embedding, norms and KV cache must stay float32."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tallyserve import LLM, SamplingParams
+from tallyserve.models.layers import linear
+from tallyserve.runner.model_runner import resolve_dtype, resolve_matmul_dtype
+from tests.tiny_models import load_hf_model, make_tiny_model
+from tests.tiny_tokenizer import make_tiny_tokenizer
+
+MAX_TOKENS = 10
+
+
+def _bf16_linear_forward(self, x):
+    out = F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()
+    return out if self.bias is None else out + self.bias
+
+
+def test_linear_rounds_input_and_weight_keeps_float32_out():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 48, generator=gen), torch.randn(24, 48, generator=gen), torch.randn(24, generator=gen)
+    wb = w.to(torch.bfloat16)
+    out = linear(x, wb, b)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.linear(x.to(torch.bfloat16), wb).float() + b)
+    # the bf16 rounding is real: not the float32 product
+    assert not torch.allclose(out, F.linear(x, w, b), rtol=0, atol=1e-6)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # same dtype: plain F.linear
+
+
+def test_dtype_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("bfloat16", cpu) == torch.float32 and resolve_matmul_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == torch.float32 and resolve_matmul_dtype("auto", cpu) is None
+    assert resolve_dtype("float16", cpu) == torch.float16 and resolve_matmul_dtype("float16", cpu) is None
+    assert resolve_dtype("bfloat16", cuda) == torch.bfloat16 and resolve_matmul_dtype("bfloat16", cuda) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # untied; tied + q/k/v bias; q/k norm
+def test_bf16_projections_greedy_parity(tmp_path, arch):
+    path = make_tiny_model(tmp_path / arch, arch, tie_word_embeddings=arch == "qwen2")
+    make_tiny_tokenizer(path)
+    hf = load_hf_model(path)
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = _bf16_linear_forward.__get__(module)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 40, 9)]
+
+    llm = LLM(model=path, dtype="bfloat16", max_num_batched_tokens=32)  # chunked: prompts split across steps
+    eos = llm.engine.eos_token_ids
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=list(eos), pad_token_id=eos[0])[0, len(p):].tolist()
+        if eos[0] in ref:
+            ref = ref[: ref.index(eos[0]) + 1]
+        assert out.outputs[0].token_ids == ref, (arch, p)
+
+    model = llm.engine.executor.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16
+    assert layer.mlp.down_proj.weight.dtype == torch.bfloat16
+    assert layer.self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # a tied lm_head got its own copy
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert all(c.dtype == torch.float32 for c in llm.engine.executor.runner.kv_caches)
+    s = llm.stats()
+    assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
