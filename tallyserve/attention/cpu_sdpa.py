@@ -1,6 +1,8 @@
-"""CPU paged attention. With the compiled kernel (`csrc/paged_attention_cpu.cpp`, float32): decode rows and
-chunks over a cached prefix read K/V in place from the paged cache, and a chunk that is its request's whole
-context attends its own fresh K/V with the fused causal SDPA. Without it (no compiler, bf16 caches):
+"""CPU paged attention. With the compiled kernel (`csrc/paged_attention_cpu.cpp`, float32 queries over a float32
+cache, or a bfloat16 one under dtype="bfloat16"): decode rows and chunks over a cached prefix read K/V in place
+from the paged cache, and a chunk that is its request's whole context attends its own fresh K/V with the fused
+causal SDPA (rounded to the cache's dtype first, so it attends what later rows read). Without it (no compiler,
+half-precision queries):
 whole KV blocks gathered with one `index_select` per request (or per batch of decode rows) and PyTorch's fused `scaled_dot_product_attention` (grouped-query heads without
 repeating K/V), instead of the reference's per-position gathers and einsums, which spend most of
 their time in index and copy kernels. Computes in float32 like the reference (`torch_ref.py`), which
@@ -95,7 +97,8 @@ def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def _use_kernel(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return q.dtype == torch.float32 and kv_cache.dtype == torch.float32 and cpu_kernels.load()
+    """The compiled path: float32 queries over a float32 or bfloat16 cache (dtype="bfloat16" on the CPU)."""
+    return q.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load()
 
 
 class _KernelPlan:
@@ -154,8 +157,11 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
                                                         scale)
     out = torch.empty_like(q)
     out[meta.num_tokens:] = 0  # padding rows; every request's rows are written below
-    for lo, hi in plan.fresh:  # k, v: as cached (finite)
-        out[lo:hi] = _causal_flash(q[lo:hi], k[lo:hi], v[lo:hi], scale)
+    rounded = kv_cache.dtype != q.dtype
+    for lo, hi in plan.fresh:  # k, v: as cached (finite; rounded to a bfloat16 cache's values, as later rows read them)
+        kk, vv = (k[lo:hi], v[lo:hi]) if not rounded else (k[lo:hi].to(kv_cache.dtype).float(),
+                                                           v[lo:hi].to(kv_cache.dtype).float())
+        out[lo:hi] = _causal_flash(q[lo:hi], kk, vv, scale)
     for i, lo, hi in plan.long:
         out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
                                      scale).to(q.dtype)

@@ -29,7 +29,7 @@ from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.executor.abstract import Executor, ExecutorDeadError
 from tallyserve.executor.worker import WorkerSpec, worker_main
 from tallyserve.models.loader import ResolvedModel
-from tallyserve.runner.model_runner import kv_bytes_per_block
+from tallyserve.runner.model_runner import kv_bytes_per_block, resolve_kv_cache_dtype
 from tallyserve.runner.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class MultiprocExecutor(Executor):
     def create(cls, args: EngineArgs, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype,
                eos_token_ids: tuple[int, ...]) -> tuple["MultiprocExecutor", EngineConfig]:
         procs, conn = spawn_workers(args, device, dtype, eos_token_ids, init_method(args))
-        per_block = kv_bytes_per_block(resolved.model_config, args.block_size, dtype, args.tensor_parallel_size)
+        per_block = kv_bytes_per_block(resolved.model_config, args.block_size, resolve_kv_cache_dtype(args.dtype, device),
+                                       args.tensor_parallel_size)
         ex = cls(procs, conn, args.worker_timeout, per_block)
         try:
             _, num_blocks, host_blocks = ex._recv("sized", STARTUP_TIMEOUT_S)

@@ -13,7 +13,8 @@ from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
-from tallyserve.runner.model_runner import ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks
+from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks,
+                                            resolve_kv_cache_dtype)
 from tallyserve.runner.cpu_threads import CpuThreadGovernor
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
@@ -41,11 +42,12 @@ class UniProcExecutor(Executor):
         # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
         model.enable_fused_kernels()
         apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
-        num_blocks = determine_num_blocks(args, mc, device, dtype, model)
-        host_blocks = num_host_blocks(args, mc, dtype) if args.enable_prefix_caching else 0
+        kv_dtype = resolve_kv_cache_dtype(args.dtype, device)  # the model's, or bf16 with them on the CPU
+        num_blocks = determine_num_blocks(args, mc, device, kv_dtype, model)
+        host_blocks = num_host_blocks(args, mc, kv_dtype) if args.enable_prefix_caching else 0
         config = args.resolve(mc, num_blocks, host_blocks)
         sc = config.scheduler_config
-        runner = ModelRunner(model, mc, num_blocks, args.block_size, device, dtype, host_blocks,
+        runner = ModelRunner(model, mc, num_blocks, args.block_size, device, kv_dtype, host_blocks,
                              use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
                              max_model_len=sc.max_model_len, eos_token_ids=eos_token_ids, seed=args.seed)
         connector = None

@@ -50,7 +50,8 @@ def _init(spec: WorkerSpec):
     from tallyserve.attention.backend import get_attn_backend
     from tallyserve.distributed import parallel_state as ps
     from tallyserve.models.loader import load_model, resolve_model
-    from tallyserve.runner.model_runner import apply_matmul_dtype, determine_num_blocks, num_host_blocks
+    from tallyserve.runner.model_runner import (apply_matmul_dtype, determine_num_blocks, num_host_blocks,
+                                                resolve_kv_cache_dtype)
     from tallyserve.runner.memory import record_memory_baseline
 
     args, device = spec.args, torch.device(spec.device)
@@ -66,20 +67,23 @@ def _init(spec: WorkerSpec):
                        tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
     model.enable_fused_kernels()  # CUDA, or CPU float32 (TALLYSERVE_FUSED_KERNELS=0 turns off)
     apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
-    blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, spec.dtype, model,
+    kv_dtype = resolve_kv_cache_dtype(args.dtype, device)
+    blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, kv_dtype, model,
                                                 args.tensor_parallel_size)], dtype=torch.int64)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)
-    host_blocks = num_host_blocks(args, resolved.model_config, spec.dtype, args.tensor_parallel_size) \
+    host_blocks = num_host_blocks(args, resolved.model_config, kv_dtype, args.tensor_parallel_size) \
         if args.enable_prefix_caching else 0
     return resolved, model, int(blocks.item()), host_blocks, group
 
 
 def _build_runner(spec: WorkerSpec, resolved, model, config):
-    from tallyserve.runner.model_runner import ModelRunner
+    from tallyserve.runner.model_runner import ModelRunner, resolve_kv_cache_dtype
 
     sc, cc = config.scheduler_config, config.cache_config
-    runner = ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, torch.device(spec.device),
-                       spec.dtype, cc.num_host_blocks, use_cuda_graph=not spec.args.enforce_eager,
+    device = torch.device(spec.device)
+    runner = ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, device,
+                       resolve_kv_cache_dtype(spec.args.dtype, device), cc.num_host_blocks,
+                       use_cuda_graph=not spec.args.enforce_eager,
                        max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                        eos_token_ids=spec.eos_token_ids, seed=spec.args.seed)
     runner.kv_connector = None

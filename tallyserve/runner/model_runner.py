@@ -69,6 +69,12 @@ def resolve_matmul_dtype(name: str, device: torch.device) -> Optional[torch.dtyp
     return None
 
 
+def resolve_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's, except on the CPU with dtype="bfloat16", whose cache is bfloat16 too
+    (half the bytes that decode attention reads; keys and values are rounded once, when written)."""
+    return torch.bfloat16 if resolve_matmul_dtype(name, device) == torch.bfloat16 else resolve_dtype(name, device)
+
+
 def apply_matmul_dtype(model, name: str, device: torch.device) -> None:
     """``model.set_matmul_dtype`` when ``resolve_matmul_dtype`` asks for one (after ``enable_fused_kernels``)."""
     matmul_dtype = resolve_matmul_dtype(name, device)

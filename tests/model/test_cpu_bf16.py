@@ -1,8 +1,10 @@
-"""dtype="bfloat16" on the CPU: bfloat16 projections (weights and matmuls) in a float32 model.
+"""dtype="bfloat16" on the CPU: bfloat16 projections (weights and matmuls) and a bfloat16 KV cache in a float32
+model.
 
 The reference is Hugging Face's float32 model with every nn.Linear doing what tallyserve's ``linear`` does
-(input rounded to bfloat16, bfloat16 product, float32 out, bias added in float32): greedy tokens must match
-token for token, and the embedding, norms and KV cache must stay float32."""
+(input rounded to bfloat16, bfloat16 product, float32 out, bias added in float32) and its attention reading keys
+and values rounded to bfloat16 (what the cache holds): greedy tokens must match token for token, and the
+embedding, norms and residual stream must stay float32."""
 
 from __future__ import annotations
 
@@ -46,14 +48,25 @@ def test_dtype_resolution():
     assert resolve_dtype("bfloat16", cuda) == torch.bfloat16 and resolve_matmul_dtype("bfloat16", cuda) is None
 
 
+def _attention_over_bf16_kv(original):
+    def attend(module, query, key, value, *args, **kwargs):
+        return original(module, query, key.to(torch.bfloat16).float(), value.to(torch.bfloat16).float(), *args,
+                        **kwargs)
+    return attend
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # untied; tied + q/k/v bias; q/k norm
-def test_bf16_projections_greedy_parity(tmp_path, arch):
+def test_bf16_projections_greedy_parity(tmp_path, arch, monkeypatch):
+    import importlib
+
     path = make_tiny_model(tmp_path / arch, arch, tie_word_embeddings=arch == "qwen2")
     make_tiny_tokenizer(path)
-    hf = load_hf_model(path)
+    hf = load_hf_model(path)  # eager attention
     for module in hf.modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = _bf16_linear_forward.__get__(module)
+    modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    monkeypatch.setattr(modeling, "eager_attention_forward", _attention_over_bf16_kv(modeling.eager_attention_forward))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 40, 9)]
 
@@ -77,6 +90,6 @@ def test_bf16_projections_greedy_parity(tmp_path, arch):
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.embed_tokens.weight.dtype == torch.float32  # a tied lm_head got its own copy
     assert layer.input_layernorm.weight.dtype == torch.float32
-    assert all(c.dtype == torch.float32 for c in llm.engine.executor.runner.kv_caches)
+    assert all(c.dtype == torch.bfloat16 for c in llm.engine.executor.runner.kv_caches)
     s = llm.stats()
     assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0

@@ -87,6 +87,32 @@ def test_bfloat16_cache_computed_in_float32():
     check([(0, 9), (12, 1), (5, 4)], 8, 2, 64, 4, dtype=torch.bfloat16, atol=2e-2, seed=3)
 
 
+@pytest.mark.parametrize("reqs,d,block_size", [
+    ([(0, 9), (12, 1), (5, 4), (0, 1), (30, 1)], 64, 4),  # fresh prefill, decode rows, a chunk over a prefix
+    ([(37, 1)], 64, 16),  # one decoding sequence: the kernel's register path, split by KV head group
+    ([(200, 1), (3, 2)], 32, 16),
+    ([(0, 40)], 64, 16),  # a whole prompt in one chunk: the fused causal SDPA over the fresh rows
+])
+def test_float32_queries_over_a_bfloat16_cache(reqs, d, block_size):
+    """dtype="bfloat16" on the CPU: float32 q/k/v, a bfloat16 cache. Every path attends the keys and values as
+    the cache holds them (rounded once to bfloat16), fresh rows included, in float32 arithmetic."""
+    q, k, v, cache, meta, full_k, full_v = make_case(reqs, 9, 3, d, block_size, torch.float32, seed=len(reqs))
+    stale = 1e4 * torch.randn(cache.shape, generator=torch.Generator().manual_seed(5))
+    cache = torch.where(cache.isnan(), stale, cache).to(torch.bfloat16)
+    scale = d ** -0.5
+    out = CpuSdpaBackend().forward(q, k, v, cache, meta, scale)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    for i, (_, new) in enumerate(reqs):
+        lo = meta.query_start_loc_cpu[i]
+        rounded_k, rounded_v = (t.to(torch.bfloat16).float() for t in (full_k[i], full_v[i]))
+        ref = dense_causal_attention(q[lo:lo + new], rounded_k, rounded_v, scale)
+        torch.testing.assert_close(out[lo:lo + new], ref, atol=2e-5, rtol=0, msg=f"request {i}")
+    # the new rows went into the cache rounded: a decode row of request 0 reads back what it wrote
+    slots = meta.slot_mapping[: meta.num_tokens].long()
+    flat = cache.view(2, -1, 3, d)
+    assert torch.equal(flat[0, slots[slots >= 0]], k[slots >= 0].to(torch.bfloat16))
+
+
 def test_bounded_pieces(monkeypatch):
     """Long chunks are split by query rows and big decode batches by requests; same results."""
     monkeypatch.setattr(cpu_sdpa, "_MAX_SCORE_ELEMS", 300)

@@ -6,7 +6,7 @@
 //   rotary_           rotate-half RoPE in place over (T, H, D) with per-token cos/sin (T, D)
 //   qk_norm_rotary_   per-head RMSNorm (q weight on the first Hq heads, k weight on the rest), then RoPE
 //   write_kv_cache_   k/v rows into their flat cache slots (slot < 0 skipped), non-finite values stored as 0;
-//                     returns how many values were non-finite
+//                     returns how many values were non-finite; a bfloat16 cache gets the values rounded
 // and, for dtype="bfloat16" on the CPU (bfloat16 projections in a float32 model), two that hand the next
 // matmul its bfloat16 input directly, with float32 arithmetic inside and one rounding at the end:
 //   add_rms_norm_bf16 add_rms_norm of a float32 or bfloat16 x into the float32 residual; bfloat16 out
@@ -313,25 +313,23 @@ inline int64_t copy_finite(float* dst, const float* src, int64_t n) {
   return bad;
 }
 
-int64_t write_kv_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
-  check_f32(k, "k");
-  check_f32(v, "v");
-  check_f32(kv_cache, "kv_cache");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous (2, num_blocks, block_size, Hkv, D)");
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), H = kv_cache.size(3), D = kv_cache.size(4);
-  TORCH_CHECK(k.dim() == 3 && k.size(1) == H && k.size(2) == D && k.stride(2) == 1, "k: (T, Hkv, D)");
-  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1, "v: as k");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) >= k.size(0), "slot_mapping: (T,) or longer");
-  const at::Tensor sm = slot_mapping.to(at::kLong).contiguous();
-  const int64_t* slot = sm.data_ptr<int64_t>();
-  const int64_t T = k.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slot[t] < slots, "slot ", slot[t], " is past the cache's ", slots, " slots");
-  float* Kc = kv_cache.data_ptr<float>();
-  float* Vc = Kc + slots * H * D;
+inline int64_t copy_finite(uint16_t* dst, const float* src, int64_t n) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool ok = std::isfinite(src[i]);
+    bad += !ok;
+    dst[i] = ok ? to_bf16(src[i]) : static_cast<uint16_t>(0);
+  }
+  return bad;
+}
+
+template <typename KvT>
+int64_t write_rows(const at::Tensor& k, const at::Tensor& v, KvT* Kc, const int64_t* slot, int64_t slots, int64_t H,
+                   int64_t D) {
+  KvT* Vc = Kc + slots * H * D;
   const float* K = k.data_ptr<float>();
   const float* V = v.data_ptr<float>();
+  const int64_t T = k.size(0);
   std::atomic<int64_t> nonfinite{0};
   at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(H * D, 1)), [&](int64_t b, int64_t e) {
     int64_t bad = 0;
@@ -345,6 +343,26 @@ int64_t write_kv_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_
     nonfinite += bad;
   });
   return nonfinite.load();
+}
+
+int64_t write_kv_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(kv_cache.device().is_cpu() &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16),
+              "kv_cache: a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous (2, num_blocks, block_size, Hkv, D)");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), H = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == H && k.size(2) == D && k.stride(2) == 1, "k: (T, Hkv, D)");
+  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1, "v: as k");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) >= k.size(0), "slot_mapping: (T,) or longer");
+  const at::Tensor sm = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot = sm.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slot[t] < slots, "slot ", slot[t], " is past the cache's ", slots, " slots");
+  if (kv_cache.scalar_type() == at::kFloat) return write_rows(k, v, kv_cache.data_ptr<float>(), slot, slots, H, D);
+  return write_rows(k, v, reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>()), slot, slots, H, D);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // tallyserve CPU paged attention: attention straight from the paged KV cache, no gathered copies.
 //
-// q: (T, Hq, D) float32; kv_cache: (2, num_blocks, block_size, Hkv, D) float32, both contiguous;
+// q: (T, Hq, D) float32; kv_cache: (2, num_blocks, block_size, Hkv, D) float32 or bfloat16, both contiguous;
 // block_tables: (R, max_blocks) int32; query_start_loc: (R + 1) int64; seq_lens: (R) int64.
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
@@ -31,16 +31,27 @@ namespace {
 
 constexpr int64_t kRowsPerItem = 8;
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// A cached K/V value as float32: the cache holds float32, or bfloat16 bits (dtype="bfloat16" on the CPU).
+inline float kv_value(const float* p, int64_t i) { return p[i]; }
+inline float kv_value(const uint16_t* p, int64_t i) {
+  const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename KvT>
+inline float dot(const float* a, const KvT* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * kv_value(b, i);
   return acc;
 }
 
-inline void axpy(float* y, const float* x, float w, int64_t n) {
+template <typename KvT>
+inline void axpy(float* y, const KvT* x, float w, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += w * kv_value(x, i);
 }
 
 // exp(x) for the softmax's x = score - max <= 0 (cpu_math.h: vectorizable, within 2 ulp of expf).
@@ -93,16 +104,25 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+// 16 cached values as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // The products of one head_dim-64 query (four registers) and key row, in 16 lanes.
-inline __m512 dot64(const __m512* qv, const float* kr) {
-  __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-  acc = _mm512_fmadd_ps(qv[1], _mm512_loadu_ps(kr + 16), acc);
-  acc = _mm512_fmadd_ps(qv[2], _mm512_loadu_ps(kr + 32), acc);
-  return _mm512_fmadd_ps(qv[3], _mm512_loadu_ps(kr + 48), acc);
+template <typename KvT>
+inline __m512 dot64(const __m512* qv, const KvT* kr) {
+  __m512 acc = _mm512_mul_ps(qv[0], load16(kr));
+  acc = _mm512_fmadd_ps(qv[1], load16(kr + 16), acc);
+  acc = _mm512_fmadd_ps(qv[2], load16(kr + 32), acc);
+  return _mm512_fmadd_ps(qv[3], load16(kr + 48), acc);
 }
 
 // The same, folded to 8 lanes.
-inline __m256 dot64_half(const __m512* qv, const float* kr) {
+template <typename KvT>
+inline __m256 dot64_half(const __m512* qv, const KvT* kr) {
   const __m512 acc = dot64(qv, kr);
   return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
 }
@@ -112,16 +132,17 @@ inline __m256 dot64_half(const __m512* qv, const float* kr) {
 // vectors instead of eight full horizontal sums: the shuffles were the bottleneck). Values: each value row
 // of a group is loaded into registers once for all its query heads, the sums stay in registers across the
 // keys. scores: (Hq * nkeys) scratch, indexed as the generic path.
-void one_row_d64(const float* q, float* o, const float* K, const float* V, const int32_t* blocks, int64_t BS,
+template <typename KvT>
+void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int32_t* blocks, int64_t BS,
                  int64_t row_stride, int64_t nkeys, int64_t Hq, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
                  float* scores) {
   const __m256 scale8 = _mm256_set1_ps(sc);
   for (int64_t g = h_lo / G; g < h_hi / G; ++g) {
     const int64_t h0 = g * G;
-    const float* Kg = K + g * 64;
+    const KvT* Kg = K + g * 64;
     int64_t j0 = 0;
     for (; j0 + 8 <= nkeys; j0 += 8) {
-      const float* kr[8];
+      const KvT* kr[8];
       for (int u = 0; u < 8; ++u) {
         const int64_t j = j0 + u;
         kr[u] = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
@@ -140,7 +161,7 @@ void one_row_d64(const float* q, float* o, const float* K, const float* V, const
       const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
                             _mm512_loadu_ps(qh + 48)};
       for (int64_t j = j0; j < nkeys; ++j) {
-        const float* kr = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+        const KvT* kr = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
         scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(dot64(qv, kr)) * sc;
       }
     }
@@ -149,9 +170,8 @@ void one_row_d64(const float* q, float* o, const float* K, const float* V, const
     for (int64_t a = 0; a < G; ++a)
       for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nkeys; ++j) {
-      const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
-      const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                   v3 = _mm512_loadu_ps(vr + 48);
+      const KvT* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
+      const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
       for (int64_t a = 0; a < G; ++a) {
         const __m512 p = _mm512_set1_ps(scores[(h0 + a) * nkeys + j]);
         acc[a][0] = _mm512_fmadd_ps(p, v0, acc[a][0]);
@@ -167,7 +187,8 @@ void one_row_d64(const float* q, float* o, const float* K, const float* V, const
 }
 #else
 constexpr bool kHaveRowKernel = false;
-void one_row_d64(const float*, float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+template <typename KvT>
+void one_row_d64(const float*, float*, const KvT*, const KvT*, const int32_t*, int64_t, int64_t, int64_t,
                  int64_t, int64_t, int64_t, int64_t, float, float*) {}
 #endif
 
@@ -175,11 +196,68 @@ struct Item {
   int64_t req, row_lo, row_hi, cost, head_lo, head_hi;  // query heads [head_lo, head_hi)
 };
 
+// The items of one call over a cache of KvT (float32, or bfloat16 bits).
+template <typename KvT>
+void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std::vector<Item>& items,
+                  const int64_t* qsl, const int64_t* sl, const int32_t* bt, int64_t MB, int64_t NB, int64_t BS,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale) {
+  const float* Q = q.data_ptr<float>();
+  const KvT* V = K + NB * BS * Hkv * D;
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t row_stride = Hkv * D;  // values from one position to the next: all KV heads side by side
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
+    std::vector<float> scores;
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
+      for (int64_t it = lane; it < n_items; it += lanes) {
+        const Item& w = items[it];
+        const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
+        const int32_t* blocks = bt + w.req * MB;
+        const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
+        const int64_t nrow = w.row_hi - w.row_lo;
+        const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
+        float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
+        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
+        if (kHaveRowKernel && nrow == 1 && D == 64 && G <= 4) {
+          one_row_d64(q0, o0, K, V, blocks, BS, row_stride, nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+          continue;
+        }
+        // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
+        // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
+        for (int64_t j = 0; j < nkeys; ++j) {
+          const KvT* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          for (int64_t i = 0; i < nrow; ++i) {
+            if (j > len - rows + w.row_lo + i) continue;
+            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
+              scores[(i * Hq + h) * nkeys + j] = dot(q0 + (i * Hq + h) * D, kr + (h / G) * D, D) * sc;
+          }
+        }
+        for (int64_t i = 0; i < nrow; ++i) {
+          const int64_t n = len - rows + w.row_lo + i + 1;
+          for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
+        }
+        for (int64_t j = 0; j < nkeys; ++j) {
+          const KvT* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          for (int64_t i = 0; i < nrow; ++i) {
+            if (j > len - rows + w.row_lo + i) continue;
+            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
+              axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
+          }
+        }
+      }
+    }
+  });
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 (T, Hq, D)");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous(),
-              "kv_cache: contiguous float32 (2, blocks, block_size, Hkv, D)");
+  TORCH_CHECK(kv_cache.dim() == 5 && (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16) &&
+                  kv_cache.is_contiguous(),
+              "kv_cache: contiguous float32 or bfloat16 (2, blocks, block_size, Hkv, D)");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables: contiguous int32 (R, max_blocks)");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
@@ -219,56 +297,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   at::Tensor out = at::zeros_like(q);
-  const float* Q = q.data_ptr<float>();
-  const float* K = kv_cache.data_ptr<float>();
-  const float* V = K + NB * BS * Hkv * D;
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row_stride = Hkv * D;  // floats from one position to the next: all KV heads side by side
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
-    std::vector<float> scores;
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      for (int64_t it = lane; it < n_items; it += lanes) {
-        const Item& w = items[it];
-        const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
-        const int32_t* blocks = bt + w.req * MB;
-        const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
-        const int64_t nrow = w.row_hi - w.row_lo;
-        const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
-        float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
-        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
-        if (kHaveRowKernel && nrow == 1 && D == 64 && G <= 4) {
-          one_row_d64(q0, o0, K, V, blocks, BS, row_stride, nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
-          continue;
-        }
-        // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
-        // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
-        for (int64_t j = 0; j < nkeys; ++j) {
-          const float* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
-          for (int64_t i = 0; i < nrow; ++i) {
-            if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
-              scores[(i * Hq + h) * nkeys + j] = dot(q0 + (i * Hq + h) * D, kr + (h / G) * D, D) * sc;
-          }
-        }
-        for (int64_t i = 0; i < nrow; ++i) {
-          const int64_t n = len - rows + w.row_lo + i + 1;
-          for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
-        }
-        for (int64_t j = 0; j < nkeys; ++j) {
-          const float* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
-          for (int64_t i = 0; i < nrow; ++i) {
-            if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
-              axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
-          }
-        }
-      }
-    }
-  });
+  if (kv_cache.scalar_type() == at::kFloat)
+    attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale);
+  else
+    attend_items(q, out, reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()), items, qsl, sl, bt, MB,
+                 NB, BS, Hq, Hkv, D, G, scale);
   return out;
 }
 
