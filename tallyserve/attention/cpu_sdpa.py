@@ -157,11 +157,10 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
                                                         scale)
     out = torch.empty_like(q)
     out[meta.num_tokens:] = 0  # padding rows; every request's rows are written below
-    rounded = kv_cache.dtype != q.dtype
-    for lo, hi in plan.fresh:  # k, v: as cached (finite; rounded to a bfloat16 cache's values, as later rows read them)
-        kk, vv = (k[lo:hi], v[lo:hi]) if not rounded else (k[lo:hi].to(kv_cache.dtype).float(),
-                                                           v[lo:hi].to(kv_cache.dtype).float())
-        out[lo:hi] = _causal_flash(q[lo:hi], kk, vv, scale)
+    if plan.fresh and kv_cache.dtype != q.dtype:  # a bfloat16 cache: attend the values as later rows read them
+        k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
+    for lo, hi in plan.fresh:  # k, v: as cached (finite)
+        out[lo:hi] = _causal_flash(q[lo:hi], k[lo:hi], v[lo:hi], scale)
     for i, lo, hi in plan.long:
         out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
                                      scale).to(q.dtype)

@@ -54,6 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 _GEMV_MAX_ROWS = 4
+CPU_MLP_CHUNK_ROWS = 1024  # GatedMLP on the CPU: rows per piece of a long chunk
 _gemv_ok: list[bool] = []
 
 
@@ -300,6 +301,18 @@ class GatedMLP(nn.Module):
         if self.gate_up_weight is not None:
             from tallyserve.models.fused_ops import silu_mul
 
+            rows = x.shape[0]
+            if x.device.type == "cpu" and self.down_proj.tp_size == 1 and rows > CPU_MLP_CHUNK_ROWS:
+                # On the CPU a long chunk goes through in pieces of rows, so each piece's (rows, 2 * intermediate)
+                # activation stays in cache between the three steps: 8192 rows of the bundled model's MLP took
+                # 164 ms whole and 120 ms in pieces (float32; bfloat16 40 -> 20 ms).
+                out = None
+                for lo in range(0, rows, CPU_MLP_CHUNK_ROWS):
+                    part = self.down_proj(silu_mul(linear(x[lo:lo + CPU_MLP_CHUNK_ROWS], self.gate_up_weight)))
+                    if out is None:
+                        out = part.new_empty((rows, part.shape[1]))
+                    out[lo:lo + part.shape[0]] = part
+                return out
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
             return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -141,6 +141,35 @@ def test_fused_model_path_matches_plain_path_and_transformers(tmp_path, arch):
     torch.testing.assert_close(fused[[10, 14, 19]], ref[[10, 11, 12]], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("matmul_dtype", [None, torch.bfloat16])
+def test_long_chunks_go_through_the_mlp_in_pieces_with_the_same_result(tmp_path, monkeypatch, matmul_dtype):
+    """GatedMLP on the CPU splits a chunk longer than CPU_MLP_CHUNK_ROWS into pieces of rows (float32 and the
+    bf16 projections): same logits as the whole chunk, and the pieces really ran."""
+    import tallyserve.models.layers as layers
+
+    model_dir = make_tiny_model(str(tmp_path), "llama")
+    model = load_model(resolve_model(model_dir, "auto"), "auto", torch.float32, torch.device("cpu"), 0,
+                       CpuSdpaBackend())
+    assert model.enable_fused_kernels()
+    if matmul_dtype is not None:
+        model.set_matmul_dtype(matmul_dtype)
+    prompt = [(7 * i) % 250 + 3 for i in range(37)]
+
+    def run():
+        kv = PagedKV(model, num_blocks=48, block_size=4, seed=1)
+        return kv.step([("a", prompt), ("b", prompt[:9])])
+
+    whole = run()
+    calls = []
+    silu_mul = fused_ops.silu_mul
+    monkeypatch.setattr(layers, "CPU_MLP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(fused_ops, "silu_mul", lambda x: calls.append(x.shape[0]) or silu_mul(x))
+    pieces = run()
+    assert calls and max(calls) == 8 and sum(calls) == 2 * (37 + 9)  # 2 layers, 46 rows each, in pieces of 8
+    torch.testing.assert_close(pieces["a"], whole["a"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pieces["b"], whole["b"], rtol=1e-5, atol=1e-5)
+
+
 _POOL_PROBE = r'''
 import os, threading, torch
 from tallyserve.runner.cpu_threads import release_openmp_workers
