@@ -302,4 +302,6 @@ class GatedMLP(nn.Module):
 
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
             return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
+        if self.gate_proj.bias is not None:  # a bfloat16 x (dtype="bfloat16"): biases, SiLU-mul in the model's dtype
+            x = x.to(self.gate_proj.bias.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

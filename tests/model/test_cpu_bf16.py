@@ -80,3 +80,34 @@ def test_bf16_projections_greedy_parity(tmp_path, arch):
     assert all(c.dtype == torch.float32 for c in llm.engine.executor.runner.kv_caches)
     s = llm.stats()
     assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
+
+
+def test_biased_mlp_logprobs_match_reference(tmp_path):
+    """Llama with mlp_bias (its MLP is not fused): the norm's bfloat16 output must not keep the biases, SiLU and
+    the product in bfloat16; the logprobs equal the reference's (one bf16 rounding per matmul, as above)."""
+    path = make_tiny_model(tmp_path / "llama", "llama", mlp_bias=True, attention_bias=True)
+    make_tiny_tokenizer(path)
+    hf = load_hf_model(path)
+    assert hf.model.layers[0].mlp.gate_proj.bias is not None
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = _bf16_linear_forward.__get__(module)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 40, 9)]
+    llm = LLM(model=path, dtype="bfloat16", max_num_batched_tokens=32)
+    eos = llm.engine.eos_token_ids
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0))
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=list(eos), pad_token_id=eos[0], output_logits=True,
+                          return_dict_in_generate=True)
+        ref = gen.sequences[0, len(p):].tolist()
+        if eos[0] in ref:
+            ref = ref[: ref.index(eos[0]) + 1]
+        comp = out.outputs[0]
+        assert comp.token_ids == ref, p
+        ref_lp = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, ref)]
+        got_lp = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
+        assert got_lp == pytest.approx(ref_lp, abs=3e-3), p
