@@ -82,6 +82,27 @@ def test_bf16_projections_greedy_parity(tmp_path, arch):
     assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
 
 
+def test_draft_model_gets_bf16_projections(tmp_path):
+    """The draft model follows dtype="bfloat16" too: the target as its own draft then proposes exactly what the
+    target verifies (every draft accepted), and greedy output equals plain bf16 decoding."""
+    target = make_tiny_model(tmp_path / "target", "qwen3")
+    prompts = [([5, 6, 7, 8, 9] * 8)[: 4 + 5 * i] + [11 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=target, dtype="bfloat16").generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(model=target, dtype="bfloat16",
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": target})
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    s = llm.stats()
+    assert s["spec_accepted"] == s["spec_proposed"] > 0
+    assert s["scheduled_tokens"] == s["forward_tokens"] and s["ledger_violations"] == 0
+    draft = llm.engine.spec.draft.model
+    assert draft.lm_head.weight.dtype == torch.bfloat16
+    assert draft.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert draft.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_biased_mlp_logprobs_match_reference(tmp_path):
     """Llama with mlp_bias (its MLP is not fused): the norm's bfloat16 output must not keep the biases, SiLU and
     the product in bfloat16; the logprobs equal the reference's (one bf16 rounding per matmul, as above)."""
