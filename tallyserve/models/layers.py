@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
     bias (kept in the model's dtype) is added to the converted product."""
     out_dtype = out_dtype or x.dtype
-    if weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
+    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
         # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
         out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
         return out if bias is None else out.add_(bias)

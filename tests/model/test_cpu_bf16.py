@@ -38,6 +38,12 @@ def test_linear_rounds_input_and_weight_keeps_float32_out():
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # same dtype: plain F.linear
 
 
+def test_linear_no_rows():
+    """An empty batch gives an empty product, as F.linear does (the one-to-four-row kernel takes no zero rows)."""
+    w, b = torch.randn(24, 48).to(torch.bfloat16), torch.randn(24)
+    out = linear(torch.empty(0, 48), w, b)
+    assert out.shape == (0, 24) and out.dtype == torch.float32
+
 def test_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("bfloat16", cpu) == torch.float32 and resolve_matmul_dtype("bfloat16", cpu) == torch.bfloat16
