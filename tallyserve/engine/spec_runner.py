@@ -47,6 +47,7 @@ class SpecDecodeRunner(DraftSource):
                                                      cfg.prompt_lookup_max), None)
         from tallyserve.attention.backend import get_attn_backend
         from tallyserve.models.loader import load_model, resolve_model
+        from tallyserve.runner.model_runner import apply_matmul_dtype
 
         resolved = resolve_model(cfg.model, "auto")
         if resolved.model_config.vocab_size != target.vocab_size:
@@ -55,6 +56,7 @@ class SpecDecodeRunner(DraftSource):
                 f"target's ({target.vocab_size}); they must share a tokenizer"
             )
         model = load_model(resolved, "auto", dtype, device, args.seed, get_attn_backend("torch"))
+        apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": as the target, bf16 projections
         proposer = DraftModelProposer(model, num_blocks, args.block_size, device, dtype, cfg.num_speculative_tokens,
                                       args.seed)
         return cls(cfg, scheduler, None, proposer)

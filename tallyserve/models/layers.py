@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
     bias (kept in the model's dtype) is added to the converted product."""
     out_dtype = out_dtype or x.dtype
-    if weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
+    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
         # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
         out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
         return out if bias is None else out.add_(bias)
@@ -315,4 +315,6 @@ class GatedMLP(nn.Module):
                 return out
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
             return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
+        if self.gate_proj.bias is not None:  # a bfloat16 x (dtype="bfloat16"): biases, SiLU-mul in the model's dtype
+            x = x.to(self.gate_proj.bias.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -40,6 +40,12 @@ def test_linear_rounds_input_and_weight_keeps_float32_out():
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # same dtype: plain F.linear
 
 
+def test_linear_no_rows():
+    """An empty batch gives an empty product, as F.linear does (the one-to-four-row kernel takes no zero rows)."""
+    w, b = torch.randn(24, 48).to(torch.bfloat16), torch.randn(24)
+    out = linear(torch.empty(0, 48), w, b)
+    assert out.shape == (0, 24) and out.dtype == torch.float32
+
 def test_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype("bfloat16", cpu) == torch.float32 and resolve_matmul_dtype("bfloat16", cpu) == torch.bfloat16
@@ -93,3 +99,55 @@ def test_bf16_projections_greedy_parity(tmp_path, arch, monkeypatch):
     assert all(c.dtype == torch.bfloat16 for c in llm.engine.executor.runner.kv_caches)
     s = llm.stats()
     assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
+
+
+def test_draft_model_gets_bf16_projections(tmp_path):
+    """The draft model follows dtype="bfloat16" too: the target as its own draft then proposes exactly what the
+    target verifies (every draft accepted), and greedy output equals plain bf16 decoding."""
+    target = make_tiny_model(tmp_path / "target", "qwen3")
+    prompts = [([5, 6, 7, 8, 9] * 8)[: 4 + 5 * i] + [11 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in
+             LLM(model=target, dtype="bfloat16").generate([{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(model=target, dtype="bfloat16",
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": target})
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == plain
+    s = llm.stats()
+    assert s["spec_accepted"] == s["spec_proposed"] > 0
+    assert s["scheduled_tokens"] == s["forward_tokens"] and s["ledger_violations"] == 0
+    draft = llm.engine.spec.draft.model
+    assert draft.lm_head.weight.dtype == torch.bfloat16
+    assert draft.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert draft.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_biased_mlp_logprobs_match_reference(tmp_path):
+    """Llama with mlp_bias (its MLP is not fused): the norm's bfloat16 output must not keep the biases, SiLU and
+    the product in bfloat16; the logprobs equal the reference's (one bf16 rounding per matmul, as above)."""
+    path = make_tiny_model(tmp_path / "llama", "llama", mlp_bias=True, attention_bias=True)
+    make_tiny_tokenizer(path)
+    hf = load_hf_model(path)
+    assert hf.model.layers[0].mlp.gate_proj.bias is not None
+    for module in hf.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = _bf16_linear_forward.__get__(module)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 40, 9)]
+    llm = LLM(model=path, dtype="bfloat16", max_num_batched_tokens=32)
+    eos = llm.engine.eos_token_ids
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0))
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=list(eos), pad_token_id=eos[0], output_logits=True,
+                          return_dict_in_generate=True)
+        ref = gen.sequences[0, len(p):].tolist()
+        if eos[0] in ref:
+            ref = ref[: ref.index(eos[0]) + 1]
+        comp = out.outputs[0]
+        assert comp.token_ids == ref, p
+        ref_lp = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, ref)]
+        got_lp = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
+        assert got_lp == pytest.approx(ref_lp, abs=3e-3), p

@@ -170,6 +170,32 @@ def test_beam_search_matches(pair):
     _ledger(tp2)
 
 
+# ----------------------------------------------------------------- dtype="bfloat16": bf16 projection shards
+def test_tp2_bf16_matches_tp1_bf16(model_dirs):
+    """Every worker applies dtype="bfloat16" (bf16 projection shards, float32 KV and residual): greedy tokens equal
+    TP=1's bf16 run, and the logprobs are bf16's (off float32's by more than TP's float32 noise)."""
+    path, kw = model_dirs["mistral"], dict(block_size=4, num_gpu_blocks_override=128)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+
+    def run(llm):
+        outs = llm.generate(prompts, params)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        return ([o.outputs[0].token_ids for o in outs],
+                [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+    tok1, _ = run(LLM(model=path, dtype="bfloat16", **kw))
+    _, lp32 = run(LLM(model=path, **kw))
+    tp2 = _tp2(path, dtype="bfloat16", **kw)
+    try:
+        tok2, lp2 = run(tp2)
+        _ledger(tp2)
+    finally:
+        _shutdown_and_check(tp2)
+    assert tok2 == tok1
+    assert max(abs(a - b) for x, y in zip(lp2, lp32) for a, b in zip(x, y)) > 1e-4  # not float32 projections
+
+
 # ----------------------------------------------------------------- bad sizes: no worker starts
 def _children() -> set[int]:
     try:
