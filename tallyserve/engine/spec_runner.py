@@ -47,7 +47,7 @@ class SpecDecodeRunner(DraftSource):
                                                      cfg.prompt_lookup_max), None)
         from tallyserve.attention.backend import get_attn_backend
         from tallyserve.models.loader import load_model, resolve_model
-        from tallyserve.runner.model_runner import apply_matmul_dtype
+        from tallyserve.runner.model_runner import apply_matmul_dtype, resolve_kv_cache_dtype
 
         resolved = resolve_model(cfg.model, "auto")
         if resolved.model_config.vocab_size != target.vocab_size:
@@ -57,7 +57,9 @@ class SpecDecodeRunner(DraftSource):
             )
         model = load_model(resolved, "auto", dtype, device, args.seed, get_attn_backend("torch"))
         apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": as the target, bf16 projections
-        proposer = DraftModelProposer(model, num_blocks, args.block_size, device, dtype, cfg.num_speculative_tokens,
+        # its KV cache in the target's cache dtype (bfloat16 with the CPU's bf16 projections)
+        proposer = DraftModelProposer(model, num_blocks, args.block_size, device,
+                                      resolve_kv_cache_dtype(args.dtype, device), cfg.num_speculative_tokens,
                                       args.seed)
         return cls(cfg, scheduler, None, proposer)
 

@@ -122,7 +122,7 @@ def test_draft_model_gets_bf16_projections(tmp_path):
     assert draft.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_biased_mlp_logprobs_match_reference(tmp_path):
+def test_biased_mlp_logprobs_match_reference(tmp_path, monkeypatch):
     """Llama with mlp_bias (its MLP is not fused): the norm's bfloat16 output must not keep the biases, SiLU and
     the product in bfloat16; the logprobs equal the reference's (one bf16 rounding per matmul, as above)."""
     path = make_tiny_model(tmp_path / "llama", "llama", mlp_bias=True, attention_bias=True)
@@ -132,6 +132,9 @@ def test_biased_mlp_logprobs_match_reference(tmp_path):
     for module in hf.modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = _bf16_linear_forward.__get__(module)
+    import transformers.models.llama.modeling_llama as modeling
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", _attention_over_bf16_kv(modeling.eager_attention_forward))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 40, 9)]
     llm = LLM(model=path, dtype="bfloat16", max_num_batched_tokens=32)
