@@ -15,7 +15,7 @@ from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks,
                                             resolve_kv_cache_dtype)
-from tallyserve.runner.cpu_threads import CpuThreadGovernor
+from tallyserve.runner.cpu_threads import CpuThreadGovernor, keep_freed_memory
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 
@@ -29,6 +29,8 @@ class UniProcExecutor(Executor):
         self.kv_connector = kv_connector  # the worker half of disaggregated serving, if configured
         # on the CPU the forward's thread count follows the cores other processes leave free
         self.cpu_threads = CpuThreadGovernor() if runner.device.type == "cpu" else None
+        if runner.device.type == "cpu":
+            keep_freed_memory()  # large activations reuse freed memory instead of faulting in new pages
         if kv_connector is not None:
             kv_connector.register_kv_caches(runner.kv_caches)
 

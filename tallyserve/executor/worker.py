@@ -57,6 +57,9 @@ def _init(spec: WorkerSpec):
     args, device = spec.args, torch.device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(spec.num_threads)
+        from tallyserve.runner.cpu_threads import keep_freed_memory
+
+        keep_freed_memory()  # large activations reuse freed memory instead of faulting in new pages
     ps.init_tensor_parallel(args.tensor_parallel_size, spec.rank, spec.init_method,
                             timeout_s=args.worker_timeout, device=device)
     group = ps.get_tp_group() if ps.default_backend(device) == "gloo" else dist.new_group(backend="gloo")

@@ -17,6 +17,12 @@ weights runs parallel regions there) and steps it on the engine-loop thread, so 
 matmuls of one row ran 3-7x slower than on the thread that built them (a single stream decoded at 55 ms per
 token against 35 ms offline). ``release_openmp_workers()`` frees the calling thread's pool
 (``omp_pause_resource_all``); the async engine calls it on the building thread when the loop thread starts.
+
+``keep_freed_memory()``: glibc's malloc hands every allocation above a dynamic threshold (128 KiB at first)
+back to the kernel when it is freed, so each large activation of a prefill step (8192 rows x 960 values in
+float32: 31 MB) was mapped again and paid a page fault per 4 KiB on first touch. The CPU engine raises the
+threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB, so freed activations are reused:
+workload W's prompts took 5.2 -> 4.4 s with bfloat16 projections (the ``MALLOC_*_`` variables, if set, win).
 """
 
 from __future__ import annotations
@@ -73,6 +79,32 @@ def _openmp_runtime() -> Optional[ctypes.CDLL]:
             lib = None
         _omp_lib.append(lib)
     return _omp_lib[0]
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD_BYTES = 1 << 30
+_malloc_tuned: list[bool] = []
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed blocks up to 32 MiB for reuse (see the module docstring); once per
+    process. False where malloc is not glibc's, or the user set ``MALLOC_MMAP_THRESHOLD_`` /
+    ``MALLOC_TRIM_THRESHOLD_`` (theirs stand)."""
+    if _malloc_tuned:
+        return _malloc_tuned[0]
+    ok = False
+    if not any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        try:
+            libc = ctypes.CDLL(None)
+            mallopt = getattr(libc, "mallopt", None)
+            if mallopt is not None and hasattr(libc, "gnu_get_libc_version"):
+                ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
+                    bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        except OSError:
+            ok = False
+    _malloc_tuned.append(ok)
+    return ok
 
 
 def release_openmp_workers() -> bool:

@@ -1,4 +1,10 @@
-"""The CPU thread governor: threads follow the cores other processes leave free, after two agreeing windows."""
+"""The CPU thread governor: threads follow the cores other processes leave free, after two agreeing windows;
+and malloc keeping freed large blocks for reuse."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tallyserve.runner import cpu_threads
@@ -80,3 +86,49 @@ def test_bad_setting_is_a_clear_error(monkeypatch, bad):
 def test_reads_this_machine():
     busy = read_machine_busy_seconds()
     assert busy is not None and busy > 0  # Linux: /proc/stat is there
+
+
+_MALLOC_PROBE = r'''
+import ctypes, resource, sys, torch
+from tallyserve.runner import cpu_threads
+
+def faults_of_big_allocations():
+    """A prefill step's pattern: several large activations alive at once, then all freed."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        live = [torch.empty(5 << 20, dtype=torch.float32).fill_(1.0) for _ in range(4)]  # 4 x 20 MiB
+        del live
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+# glibc's starting point, without its dynamic adjustment (which depends on what was freed before):
+# blocks from 128 KiB on are mapped per allocation and unmapped when freed
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 128 * 1024)
+libc.mallopt(-1, 128 * 1024)
+faults_of_big_allocations()
+untuned = faults_of_big_allocations()
+ok = cpu_threads.keep_freed_memory()
+faults_of_big_allocations()
+tuned = faults_of_big_allocations()
+print("MALLOC", ok, untuned, tuned, cpu_threads.keep_freed_memory())
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_keep_freed_memory_stops_refaulting_large_activations():
+    """After keep_freed_memory(), freed 20 MiB activations' pages are reused: allocating them again costs no page
+    faults (before: glibc trimmed the freed heap top and every page faulted again). A MALLOC_* variable the
+    user set wins."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], capture_output=True, text=True, env=env,
+                         cwd=str(Path(__file__).resolve().parents[2]), timeout=120)
+    line = [x for x in out.stdout.splitlines() if x.startswith("MALLOC")]
+    assert line, out.stderr[-2000:]
+    _, ok, untuned, tuned, again = line[0].split()
+    assert ok == "True" and again == "True"
+    assert int(untuned) > 4 * 4 * 4000  # ~5,100 faults per 20 MiB allocation
+    assert int(tuned) < 1000
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], capture_output=True, text=True, env=env,
+                         cwd=str(Path(__file__).resolve().parents[2]), timeout=120)
+    assert [x for x in out.stdout.splitlines() if x.startswith("MALLOC")][0].split()[1] == "False"
