@@ -104,6 +104,13 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+// One head's 64 cached values into L1 (four 64-byte lines of float32, two of bfloat16).
+template <typename KvT>
+inline void prefetch_row(const KvT* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (size_t off = 0; off < 64 * sizeof(KvT); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 // 16 cached values as float32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -133,9 +140,8 @@ inline __m256 dot64_half(const __m512* qv, const KvT* kr) {
 // of a group is loaded into registers once for all its query heads, the sums stay in registers across the
 // keys. scores: (Hq * nkeys) scratch, indexed as the generic path.
 template <typename KvT>
-void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int32_t* blocks, int64_t BS,
-                 int64_t row_stride, int64_t nkeys, int64_t Hq, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
-                 float* scores) {
+void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int64_t* row_off, int64_t nkeys,
+                 int64_t Hq, int64_t h_lo, int64_t h_hi, int64_t G, float sc, float* scores) {
   const __m256 scale8 = _mm256_set1_ps(sc);
   for (int64_t g = h_lo / G; g < h_hi / G; ++g) {
     const int64_t h0 = g * G;
@@ -145,7 +151,9 @@ void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int
       const KvT* kr[8];
       for (int u = 0; u < 8; ++u) {
         const int64_t j = j0 + u;
-        kr[u] = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+        kr[u] = Kg + row_off[j];
+        // the rows two blocks of keys ahead (a cache block's rows are scattered over the pool)
+        if (j + 16 < nkeys) prefetch_row(Kg + row_off[j + 16]);
       }
       for (int64_t a = 0; a < G; ++a) {
         const float* qh = q + (h0 + a) * 64;
@@ -161,7 +169,7 @@ void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int
       const __m512 qv[4] = {_mm512_loadu_ps(qh), _mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh + 32),
                             _mm512_loadu_ps(qh + 48)};
       for (int64_t j = j0; j < nkeys; ++j) {
-        const KvT* kr = Kg + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+        const KvT* kr = Kg + row_off[j];
         scores[(h0 + a) * nkeys + j] = _mm512_reduce_add_ps(dot64(qv, kr)) * sc;
       }
     }
@@ -170,7 +178,8 @@ void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int
     for (int64_t a = 0; a < G; ++a)
       for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nkeys; ++j) {
-      const KvT* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride + g * 64;
+      const KvT* vr = V + row_off[j] + g * 64;
+      if (j + 8 < nkeys) prefetch_row(V + row_off[j + 8] + g * 64);
       const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
       for (int64_t a = 0; a < G; ++a) {
         const __m512 p = _mm512_set1_ps(scores[(h0 + a) * nkeys + j]);
@@ -188,8 +197,8 @@ void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int
 #else
 constexpr bool kHaveRowKernel = false;
 template <typename KvT>
-void one_row_d64(const float*, float*, const KvT*, const KvT*, const int32_t*, int64_t, int64_t, int64_t,
-                 int64_t, int64_t, int64_t, int64_t, float, float*) {}
+void one_row_d64(const float*, float*, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                 int64_t, float, float*) {}
 #endif
 
 struct Item {
@@ -211,6 +220,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
+    std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t it = lane; it < n_items; it += lanes) {
         const Item& w = items[it];
@@ -221,14 +231,19 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
         const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
         float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
         scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
+        row_off.resize(static_cast<size_t>(nkeys));
+        for (int64_t b = 0, j = 0; j < nkeys; ++b) {
+          const int64_t base = static_cast<int64_t>(blocks[b]) * BS * row_stride;
+          for (int64_t r = 0; r < BS && j < nkeys; ++r, ++j) row_off[j] = base + r * row_stride;
+        }
         if (kHaveRowKernel && nrow == 1 && D == 64 && G <= 4) {
-          one_row_d64(q0, o0, K, V, blocks, BS, row_stride, nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+          one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
           continue;
         }
         // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
         // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
         for (int64_t j = 0; j < nkeys; ++j) {
-          const KvT* kr = K + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          const KvT* kr = K + row_off[j];
           for (int64_t i = 0; i < nrow; ++i) {
             if (j > len - rows + w.row_lo + i) continue;
             for (int64_t h = w.head_lo; h < w.head_hi; ++h)
@@ -240,7 +255,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
           for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
         }
         for (int64_t j = 0; j < nkeys; ++j) {
-          const KvT* vr = V + (static_cast<int64_t>(blocks[j / BS]) * BS + j % BS) * row_stride;
+          const KvT* vr = V + row_off[j];
           for (int64_t i = 0; i < nrow; ++i) {
             if (j > len - rows + w.row_lo + i) continue;
             for (int64_t h = w.head_lo; h < w.head_hi; ++h)
