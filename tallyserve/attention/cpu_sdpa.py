@@ -96,6 +96,34 @@ def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out[0].transpose(0, 1)
 
 
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's fused CPU attention with its log-sum-exp: q (Hq, Lq, D), k/v (Hq, Lk, D) float32 ->
+    out (Hq, Lq, D), lse (Hq, Lq)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, causal,
+                                                                         scale=scale)
+    return out[0], lse[0]
+
+
+def _attend_prefix_and_chunk(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
+                             block_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """A long chunk (Lq rows at positions [seq_len - Lq, seq_len)) over a cached prefix, in two fused passes
+    merged by their log-sum-exps: every row over the whole prefix (no mask), and the chunk over its own fresh
+    K/V (causal). The single masked SDPA it replaces ran on PyTorch's unfused path: a chat turn of 1,000 tokens
+    after a cached system prompt took twice the time of the same prompt uncached."""
+    num_q, num_heads, _ = q.shape
+    group = num_heads // k_new.shape[1]
+    k_pre, v_pre = _gather(kv_cache, block_row, seq_len - num_q)  # (Hkv, P, D)
+    qs = q.float().transpose(0, 1).contiguous()  # (Hq, Lq, D)
+    expand = (lambda t: t.repeat_interleave(group, dim=0)) if group > 1 else (lambda t: t)
+    out_pre, lse_pre = _flash_with_lse(qs, expand(k_pre), expand(v_pre), False, scale)
+    out_new, lse_new = _flash_with_lse(qs, expand(k_new.transpose(0, 1)), expand(v_new.transpose(0, 1)), True, scale)
+    top = torch.maximum(lse_pre, lse_new)
+    w_pre, w_new = (lse_pre - top).exp_()[..., None], (lse_new - top).exp_()[..., None]
+    out = (out_pre * w_pre + out_new * w_new) / (w_pre + w_new)
+    return out.transpose(0, 1)
+
+
 def _use_kernel(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The compiled path: float32 queries over a float32 or bfloat16 cache (dtype="bfloat16" on the CPU)."""
     return q.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load()
@@ -157,13 +185,17 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
                                                         scale)
     out = torch.empty_like(q)
     out[meta.num_tokens:] = 0  # padding rows; every request's rows are written below
-    if plan.fresh and kv_cache.dtype != q.dtype:  # a bfloat16 cache: attend the values as later rows read them
-        k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
+    if (plan.fresh or plan.long) and k is not None and kv_cache.dtype != q.dtype:
+        k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)  # a bfloat16 cache's values
     for lo, hi in plan.fresh:  # k, v: as cached (finite)
         out[lo:hi] = _causal_flash(q[lo:hi], k[lo:hi], v[lo:hi], scale)
     for i, lo, hi in plan.long:
-        out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
-                                     scale).to(q.dtype)
+        if k is not None:  # the chunk's own K/V at hand: prefix and chunk in two fused passes
+            out[lo:hi] = _attend_prefix_and_chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, meta.block_tables[i],
+                                                  meta.seq_lens_cpu[i], scale).to(q.dtype)
+        else:
+            out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i],
+                                         scale).to(q.dtype)
     if plan.any_paged:
         out[plan.rows] = torch.ops.tallyserve_cpu.paged_attention(q[plan.rows].contiguous(), kv_cache, plan.tables,
                                                                   plan.qsl, plan.lens, scale)

@@ -92,6 +92,7 @@ def test_bfloat16_cache_computed_in_float32():
     ([(37, 1)], 64, 16),  # one decoding sequence: the kernel's register path, split by KV head group
     ([(200, 1), (3, 2)], 32, 16),
     ([(0, 40)], 64, 16),  # a whole prompt in one chunk: the fused causal SDPA over the fresh rows
+    ([(30, 40), (5, 1)], 64, 16),  # a long chunk over a cached prefix: prefix and chunk passes merged
 ])
 def test_float32_queries_over_a_bfloat16_cache(reqs, d, block_size):
     """dtype="bfloat16" on the CPU: float32 q/k/v, a bfloat16 cache. Every path attends the keys and values as
@@ -111,6 +112,15 @@ def test_float32_queries_over_a_bfloat16_cache(reqs, d, block_size):
     slots = meta.slot_mapping[: meta.num_tokens].long()
     flat = cache.view(2, -1, 3, d)
     assert torch.equal(flat[0, slots[slots >= 0]], k[slots >= 0].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("reqs", [[(40, 30)], [(33, 17), (0, 1), (7, 64)], [(1, 20), (100, 1)]])
+def test_long_chunks_over_a_cached_prefix(hq, hkv, reqs):
+    """More than KERNEL_MAX_ROWS new rows after a cached prefix (a chat turn after a cached system prompt): the
+    kernel path attends the prefix and the chunk in two fused passes merged by log-sum-exp."""
+    assert any(new > cpu_sdpa.KERNEL_MAX_ROWS and cached for cached, new in reqs)
+    check(reqs, hq, hkv, 64, block_size=16, seed=hq + len(reqs), num_padding=1)
 
 
 def test_bounded_pieces(monkeypatch):
