@@ -124,3 +124,29 @@ def test_serving_summary_over_rounds_takes_each_metric_best_and_skips_failed_run
     assert s["tallyserve@2t"]["streams=16"] == {"mean_ttft_ms": 900.0, "mean_tpot_ms": 60.0,
                                                 "output_tok_per_s": 200.0, "rounds_ok": 1}
     assert s["llama.cpp@2t"]["streams=1"]["rounds_ok"] == 1
+
+
+def test_bf16_gguf_for_llama_cpp_keeps_shapes_and_rounds_matrices(tmp_path):
+    """The llama.cpp-bf16 engine's GGUF: every matrix BF16 with the source's shape, norms F32, values the
+    source's rounded to bfloat16 (a wrong byte shape once made llama-server refuse the file)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from benchmarks import cpu_setup
+    from tallyserve.models.bundled import bundled_gguf_path
+
+    paths = cpu_setup.Paths(tmp_path)
+    cpu_setup.write_bf16_gguf(paths)
+    src = {t.name: t for t in gguf.GGUFReader(bundled_gguf_path()).tensors}
+    out = {t.name: t for t in gguf.GGUFReader(paths.bf16_gguf).tensors}
+    assert set(out) == set(src)
+    for name, t in out.items():
+        assert t.shape.tolist() == src[name].shape.tolist(), name
+        want = gguf.GGMLQuantizationType.BF16 if len(t.shape) == 2 else gguf.GGMLQuantizationType.F32
+        assert t.tensor_type == want, name
+    name = "blk.0.ffn_down.weight"
+    got = gguf.quants.dequantize(out[name].data, out[name].tensor_type)
+    ref = gguf.quants.dequantize(src[name].data, src[name].tensor_type).astype(np.float32)
+    rounded = torch.from_numpy(ref.reshape(-1)).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(got.reshape(-1), rounded)
