@@ -47,19 +47,22 @@ TS_NO_CONTRACT float inv_rms(const float* x, int64_t n, double eps) {
   return 1.0f / std::sqrt(mean + static_cast<float>(eps));
 }
 
+// The checks both add_rms_norm operators share; the residual's data, or nullptr without one.
+float* checked_residual(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight) {
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous (T, N)");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous(), "weight: (N,)");
+  if (!residual.has_value() || !residual->defined()) return nullptr;
+  check_f32(*residual, "residual");
+  TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), "residual: contiguous, as x");
+  return residual->data_ptr<float>();
+}
+
 TS_NO_CONTRACT at::Tensor add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                        const at::Tensor& weight, double eps) {
   check_f32(x, "x");
-  check_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous (T, N)");
+  float* R = checked_residual(x, residual, weight);
   const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(weight.numel() == N && weight.is_contiguous(), "weight: (N,)");
-  float* R = nullptr;
-  if (residual.has_value() && residual->defined()) {
-    check_f32(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), "residual: contiguous, as x");
-    R = residual->data_ptr<float>();
-  }
   at::Tensor out = at::empty_like(x);
   const float* X = x.data_ptr<float>();
   const float* W = weight.data_ptr<float>();
@@ -184,16 +187,8 @@ at::Tensor add_rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor
                              double eps) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x: a float32 or bfloat16 CPU tensor");
-  check_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous (T, N)");
+  float* R = checked_residual(x, residual, weight);
   const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(weight.numel() == N && weight.is_contiguous(), "weight: (N,)");
-  float* R = nullptr;
-  if (residual.has_value() && residual->defined()) {
-    check_f32(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), "residual: contiguous, as x");
-    R = residual->data_ptr<float>();
-  }
   at::Tensor out = at::empty({T, N}, x.options().dtype(at::kBFloat16));
   uint16_t* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* W = weight.data_ptr<float>();
