@@ -172,28 +172,40 @@ def test_beam_search_matches(pair):
 
 # ----------------------------------------------------------------- dtype="bfloat16": bf16 projection shards
 def test_tp2_bf16_matches_tp1_bf16(model_dirs):
-    """Every worker applies dtype="bfloat16" (bf16 projection shards, float32 KV and residual): greedy tokens equal
-    TP=1's bf16 run, and the logprobs are bf16's (off float32's by more than TP's float32 noise)."""
+    """Every worker applies dtype="bfloat16" (bf16 projection shards): TP=2's greedy run follows TP=1's bf16 run
+    with bf16-close logprobs, and where the two part (each rank rounds its partial o/down product to bf16, so
+    near-ties may flip) TP=2's token is TP=1's runner-up within bf16 noise. The logprobs are bf16's (off
+    float32's by more than TP's float32 noise)."""
     path, kw = model_dirs["mistral"], dict(block_size=4, num_gpu_blocks_override=128)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
 
     def run(llm):
         outs = llm.generate(prompts, params)
         assert all(o.error is None for o in outs), [o.error for o in outs]
-        return ([o.outputs[0].token_ids for o in outs],
-                [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
-    tok1, _ = run(LLM(model=path, dtype="bfloat16", **kw))
-    _, lp32 = run(LLM(model=path, **kw))
+    bf16_tp1 = run(LLM(model=path, dtype="bfloat16", **kw))
+    fp32_tp1 = run(LLM(model=path, **kw))
     tp2 = _tp2(path, dtype="bfloat16", **kw)
     try:
-        tok2, lp2 = run(tp2)
+        bf16_tp2 = run(tp2)
         _ledger(tp2)
     finally:
         _shutdown_and_check(tp2)
-    assert tok2 == tok1
-    assert max(abs(a - b) for x, y in zip(lp2, lp32) for a, b in zip(x, y)) > 1e-4  # not float32 projections
+    same = 0
+    for (t1, lp1), (t2, lp2) in zip(bf16_tp1, bf16_tp2):
+        k = next((j for j, (a, b) in enumerate(zip(t1, t2)) if a != b), min(len(t1), len(t2)))
+        same += k
+        for j in range(k):
+            assert lp2[j][t1[j]].logprob == pytest.approx(lp1[j][t1[j]].logprob, abs=0.05)
+        if k < len(t1):  # a near-tie flipped: TP=2's pick is TP=1's runner-up, within bf16 noise of its best
+            assert t2[k] in lp1[k], (k, t1[k], t2[k])
+            assert lp1[k][t1[k]].logprob - lp1[k][t2[k]].logprob < 0.05
+    assert same >= 3 * MAX_TOKENS  # the runs agree on most tokens
+    deltas = [abs(lp2[j][t].logprob - lp32[j][t].logprob)
+              for (t2, lp2), (t32, lp32) in zip(bf16_tp2, fp32_tp1) for j, t in enumerate(t2[:1])]
+    assert max(deltas) > 1e-4  # not float32 projections: the first token's logprob moved by bf16 rounding
 
 
 # ----------------------------------------------------------------- bad sizes: no worker starts
