@@ -44,6 +44,7 @@ from tallyserve.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
     linear,
+    pack_cpu_weight,
     vocab_shard,
 )
 from tallyserve.models.model_config import ModelConfig
@@ -368,6 +369,19 @@ class LlamaForCausalLM(nn.Module):
                 proj.weight.data = proj.weight.to(dtype)
         # its own parameter: a tied lm_head shares the embedding's, which stays in the model's dtype
         self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
+        if self.model.embed_tokens.weight.device.type == "cpu" and dtype == torch.bfloat16:
+            # oneDNN's blocked copies of the weights, so the matmuls do not re-block them on every call
+            used = [self.lm_head.weight]
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                used += [attn.qkv_weight] if attn.qkv_weight is not None else \
+                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
+                    [mlp.gate_proj.weight, mlp.up_proj.weight]
+                used += [attn.o_proj.weight, mlp.down_proj.weight]
+            for w in used:
+                if w.is_contiguous():
+                    pack_cpu_weight(w)
         if self.model.fused and self.model.embed_tokens.weight.device.type == "cpu":
             # the norms hand the matmuls bfloat16 and the MLP stays in it; q/k/v return in the model's dtype
             self.model.matmul_dtype = dtype

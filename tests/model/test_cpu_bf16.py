@@ -154,3 +154,34 @@ def test_biased_mlp_logprobs_match_reference(tmp_path, monkeypatch):
         ref_lp = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(gen.logits, ref)]
         got_lp = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
         assert got_lp == pytest.approx(ref_lp, abs=3e-3), p
+
+
+def test_packed_weights_multiply_as_the_plain_ones():
+    """pack_cpu_weight attaches oneDNN's blocked copy; linear() takes it from five rows on, the plain weight
+    below (gemv_bf16), with the same products as F.linear on the plain bfloat16 weight."""
+    from tallyserve.models.layers import pack_cpu_weight
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    if not pack_cpu_weight(w):
+        pytest.skip("this PyTorch build has no oneDNN linear operators")
+    assert w.mkldnn_packed is not None
+    for rows in (5, 64, 300):
+        x = torch.randn(rows, 64, generator=gen)
+        want = F.linear(x.to(torch.bfloat16), w).float()
+        got = linear(x, w)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+
+
+def test_bf16_model_packs_the_projections_it_uses(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    make_tiny_tokenizer(path)
+    model = LLM(model=path, dtype="bfloat16").engine.executor.runner.model
+    layer = model.model.layers[0]
+    used = [model.lm_head.weight, layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
+    if getattr(used[0], "mkldnn_packed", None) is None:
+        pytest.skip("this PyTorch build has no oneDNN linear operators")
+    assert all(getattr(w, "mkldnn_packed", None) is not None for w in used)
+    assert getattr(model.model.embed_tokens.weight, "mkldnn_packed", None) is None  # float32, looked up
