@@ -171,13 +171,16 @@ def test_long_chunks_go_through_the_mlp_in_pieces_with_the_same_result(tmp_path,
 
 
 _POOL_PROBE = r'''
-import os, threading, torch
+import os, threading, time, torch
 from tallyserve.runner.cpu_threads import release_openmp_workers
 torch.set_num_threads(2)
 count = lambda: len(os.listdir("/proc/self/task"))
 torch.randn(256, 256) @ torch.randn(256, 256)  # this thread's worker pool now exists
 with_pool = count()
 ok = release_openmp_workers()
+deadline = time.monotonic() + 5.0  # the worker exits on its own schedule (a loaded machine took a while)
+while count() >= with_pool and time.monotonic() < deadline:
+    time.sleep(0.01)
 released = count()
 res = {}
 t = threading.Thread(target=lambda: res.update(mm=(torch.ones(256, 256) @ torch.ones(256, 256))[0, 0].item()))
