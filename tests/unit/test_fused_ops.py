@@ -5,19 +5,14 @@ TRITON_INTERPRET when a kernel is decorated."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.triton_interpreter import interpreter_too_old, run_interpreted
+
 triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+if interpreter_too_old(triton):
     pytest.skip("Triton < 3.7's interpreter cannot run these loops under NumPy 2", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[2]
 
 WORKER = r'''
 import json, sys, tempfile
@@ -87,12 +82,7 @@ print("RESULT " + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", WORKER], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted(["-c", WORKER])
 
 
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2}

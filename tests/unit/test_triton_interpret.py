@@ -20,17 +20,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.triton_interpreter import interpreter_too_old, run_interpreted
+
 triton = pytest.importorskip("triton")
 
 # Triton 3.6's interpreter turns runtime loop bounds into ints with int() on 1-element NumPy arrays,
 # which NumPy 2 rejects (fixed in later Triton); the compiled kernels are unaffected (tests/gpu).
-_OLD_INTERPRETER = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+_OLD_INTERPRETER = interpreter_too_old(triton)
 needs_interpreter = pytest.mark.skipif(
     _OLD_INTERPRETER, reason=f"Triton {triton.__version__}'s interpreter cannot run runtime-bound loops; use >= 3.7")
 
@@ -232,12 +233,7 @@ def _worker() -> None:
 # --------------------------------------------------------------------------- tests (pytest process)
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--worker"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted([__file__, "--worker"], tag="RESULTS", timeout=600)
 
 
 @needs_interpreter
