@@ -136,6 +136,9 @@ class EngineArgs:
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": draft, ...}
     speculative_config: Optional[Any] = None
     enforce_eager: bool = False
+    # Cascade attention (GPU): decode steps whose requests all share a prefix of >= 256 KV tokens
+    # attend it once for all of them and merge; True keeps every request on its own kernel.
+    disable_cascade_attn: bool = False
     # Schedule and launch step N+1 while step N runs (its sampled tokens feed N+1 on the device).
     # None: on for CUDA without speculative decoding, off on the CPU (where nothing overlaps).
     async_scheduling: Optional[bool] = None
@@ -187,7 +190,8 @@ class EngineArgs:
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
-        for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager",
+                     "disable_cascade_attn"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_partial_prefill_args(self.max_num_partial_prefills, self.max_long_partial_prefills,

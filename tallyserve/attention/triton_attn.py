@@ -147,13 +147,17 @@ def _prefill_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "num_slots", "stride_bt"])
 def _decode_kernel(
-    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch, num_q_heads, num_splits,
+    q_ptr, o_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
+    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch, num_q_heads,
+    num_splits, num_slots,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CASCADE: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Keys [kv_start, seq_len) of one decode request and KV head, split ``num_splits`` ways. With
+    CASCADE, kv_start is the shared prefix length (``_cascade_prefix_kernel`` attends the keys below
+    it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,6 +165,9 @@ def _decode_kernel(
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if q_len == 1:
         seq_len = tl.load(seq_lens_ptr + req)
+        kv_start = seq_len * 0
+        if CASCADE:
+            kv_start = tl.minimum(tl.load(prefix_len_ptr), seq_len)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
@@ -174,8 +181,8 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        n_start = split * chunk
+        chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+        n_start = kv_start + split * chunk
         n_end = tl.minimum(n_start + chunk, seq_len)
         for n0 in range(n_start, n_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
@@ -187,11 +194,58 @@ def _decode_kernel(
             tl.store(o_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
         else:
-            # partials: lse (num_reqs, Hq, num_splits) and outputs (num_reqs, Hq, num_splits, D_PAD), fp32
-            part = (req.to(tl.int64) * num_q_heads + head) * num_splits + split
+            # partials: lse (num_reqs, Hq, num_slots) and outputs (num_reqs, Hq, num_slots, D_PAD), fp32
+            part = (req.to(tl.int64) * num_q_heads + head) * num_slots + split
             tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], out, mask=row_ok[:, None] & mask_d[None, :])
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "num_slots", "slot0"])
+def _cascade_prefix_kernel(
+    q_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
+    qk_scale, stride_qt, stride_qh, stride_cb, stride_co, stride_ch, num_reqs, num_q_heads, num_splits, num_slots,
+    slot0,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """Cascade attention, shared half: keys [0, prefix_len) that every decode request reads from the
+    same blocks (row 0 of the block table), attended once per KV tile for a tile of BLOCK_M query
+    rows (request x query head of this KV head, row = req * GROUP + g), so the prefix is read once
+    per step, not once per request. Split ``num_splits`` ways over the prefix; split s writes slot
+    slot0 + s. Rows of padding requests (seq_len 0) get lse -inf, so they merge to zeros."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    prefix_len = tl.load(prefix_len_ptr)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    req = offs_m // GROUP
+    in_batch = req < num_reqs
+    seq_len = tl.load(seq_lens_ptr + req, mask=in_batch, other=0)
+    row_ok = in_batch & (seq_len > 0) & (seq_len >= prefix_len)
+    head = kv_head * GROUP + offs_m % GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d < HEAD_DIM
+    row = tl.load(qsl_ptr + req, mask=in_batch, other=0).to(tl.int64)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    n_start = split * chunk
+    n_end = tl.minimum(n_start + chunk, prefix_len)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, n0, n_end, offs_m, kv_head,
+            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+            BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(row_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    part = (req.to(tl.int64) * num_q_heads + head) * num_slots + slot0 + split
+    tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], out, mask=in_batch[:, None] & mask_d[None, :])
+    tl.store(part_lse_ptr + part, lse, mask=in_batch)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -234,6 +288,13 @@ class KernelConfig:
     num_splits: Optional[int] = None  # decode split-K; None: fill the GPU (see _decode_splits)
     max_splits: int = 32
     min_split_len: int = 256  # fewer keys than this per split is not worth a split
+    # cascade attention's shared-prefix kernel: query rows (request x head) per tile, keys per tile
+    # (None: decode's), warps, stages, prefix split count (None: fill the GPU like decode's split-K)
+    cascade_block_m: Optional[int] = None
+    cascade_block_n: Optional[int] = None
+    cascade_num_warps: int = 4
+    cascade_num_stages: Optional[int] = None
+    cascade_num_splits: Optional[int] = None
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -248,10 +309,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _decode_splits(cfg: KernelConfig, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Power-of-two split count so that about two programs per SM run, bounded by the context."""
-    if cfg.num_splits is not None:
-        return cfg.num_splits
+def _decode_splits(cfg: KernelConfig, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                   fixed: Optional[int] = -1) -> int:
+    """Power-of-two split count so that about two programs per SM run, bounded by the context.
+    ``num_reqs``: programs per KV head before splitting; ``fixed``: a configured count (default
+    ``cfg.num_splits``; None: choose)."""
+    fixed = cfg.num_splits if fixed == -1 else fixed
+    if fixed is not None:
+        return fixed
     want = triton.cdiv(2 * _sm_count(device), max(1, num_reqs * num_kv_heads))
     by_len = max(1, max_seq_len // cfg.min_split_len)
     splits = min(want, by_len, cfg.max_splits)
@@ -333,24 +398,45 @@ def _has_decode_rows(meta: AttentionMetadata) -> bool:
 def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block_n, block_size, prec, config):
     num_reqs, num_kv_heads = meta.num_reqs, tensors[0].shape[2]
     num_q_heads = q.shape[1]
+    cascade = meta.common_prefix_len > 0 and meta.max_query_len == 1
+    # each request's own keys are split as if they were its whole context: under a CUDA graph the
+    # host knows only bounds (max_seq_len for both parts), and an empty split costs next to nothing
     splits = _decode_splits(config, num_reqs, num_kv_heads, meta.max_seq_len, q.device)
+    prefix_splits = block_m_prefix = 0
+    if cascade:
+        block_m_prefix = config.cascade_block_m or 64
+        tiles = triton.cdiv(num_reqs * group, block_m_prefix)
+        prefix_splits = _decode_splits(config, tiles, num_kv_heads, meta.common_prefix_len, q.device,
+                                       fixed=config.cascade_num_splits)
+    num_slots = splits + prefix_splits
     block_m = max(16, triton.next_power_of_2(group))
-    if splits > 1:
-        part_o = torch.empty((num_reqs, num_q_heads, splits, d_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    if num_slots > 1:
+        part_o = torch.empty((num_reqs, num_q_heads, num_slots, d_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_reqs, num_q_heads, num_slots), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    prefix_len_t = meta.prefix_kv_lens if cascade else meta.seq_lens  # read only with CASCADE
     _decode_kernel[(num_reqs, num_kv_heads, splits)](
-        q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, qk_scale, *strides,
-        num_q_heads, splits,
+        q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale,
+        *strides, num_q_heads, splits, num_slots,
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT=splits > 1, PREC=prec, num_warps=config.decode_num_warps,
+        BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, num_warps=config.decode_num_warps,
         **_stages(config.decode_num_stages),
     )
-    if splits > 1:
+    if cascade:
+        # the shared prefix: row 0 of the block table names its blocks (the same in every row)
+        _cascade_prefix_kernel[(triton.cdiv(num_reqs * group, block_m_prefix), num_kv_heads, prefix_splits)](
+            q, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, meta.prefix_kv_lens, qk_scale,
+            strides[0], strides[1], *strides[5:], num_reqs, num_q_heads, prefix_splits, num_slots, splits,
+            GROUP=group, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m_prefix,
+            BLOCK_N=config.cascade_block_n or block_n, PREC=prec, num_warps=config.cascade_num_warps,
+            **_stages(config.cascade_num_stages),
+        )
+    if num_slots > 1:
         _reduce_kernel[(num_reqs, num_q_heads)](
-            out, part_o, part_lse, meta.query_start_loc, strides[2], strides[3], num_q_heads, splits,
-            HEAD_DIM=q.shape[2], D_PAD=d_pad, S_PAD=triton.next_power_of_2(max(splits, config.max_splits)), num_warps=1,
+            out, part_o, part_lse, meta.query_start_loc, strides[2], strides[3], num_q_heads, num_slots,
+            HEAD_DIM=q.shape[2], D_PAD=d_pad, S_PAD=triton.next_power_of_2(max(num_slots, config.max_splits)),
+            num_warps=1,
         )
 
 
@@ -360,6 +446,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    supports_cascade = True  # reads AttentionMetadata.common_prefix_len / prefix_kv_lens
 
     def __init__(self, config: KernelConfig = KernelConfig()) -> None:
         self.config = config

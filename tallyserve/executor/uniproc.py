@@ -51,7 +51,8 @@ class UniProcExecutor(Executor):
         sc = config.scheduler_config
         runner = ModelRunner(model, mc, num_blocks, args.block_size, device, kv_dtype, host_blocks,
                              use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
-                             max_model_len=sc.max_model_len, eos_token_ids=eos_token_ids, seed=args.seed)
+                             max_model_len=sc.max_model_len, eos_token_ids=eos_token_ids, seed=args.seed,
+                             use_cascade_attn=not args.disable_cascade_attn)
         connector = None
         if args.kv_transfer_config is not None:
             from tallyserve.distributed.kv_transfer.factory import make_connector

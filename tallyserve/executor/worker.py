@@ -88,7 +88,8 @@ def _build_runner(spec: WorkerSpec, resolved, model, config):
                        resolve_kv_cache_dtype(spec.args.dtype, device), cc.num_host_blocks,
                        use_cuda_graph=not spec.args.enforce_eager,
                        max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                       eos_token_ids=spec.eos_token_ids, seed=spec.args.seed)
+                       eos_token_ids=spec.eos_token_ids, seed=spec.args.seed,
+                       use_cascade_attn=not spec.args.disable_cascade_attn)
     runner.kv_connector = None
     if spec.args.kv_transfer_config is not None:  # this rank's own heads, its own NIXL agent
         from tallyserve.distributed.kv_transfer.nixl_connector import NixlConnectorWorker

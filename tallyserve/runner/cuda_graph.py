@@ -15,7 +15,10 @@ rows [0, B) are returned (final-norm hidden states; the runner computes logits o
 
 The attention backend must read lengths only from device tensors (``supports_cuda_graph``); the
 capture-time metadata carries ``max_seq_len = max_model_len`` so host-side choices (e.g. the decode
-split count) hold for every replay. The KV caches are captured by address: they must not be
+split count) hold for every replay. With cascade attention (``cascade=True``) buckets of at least
+``CASCADE_MIN_REQS`` get a second graph whose attention splits each request's context into the prefix
+all requests share (its length in the static ``prefix_kv_lens``, bound ``max_model_len`` at capture)
+and the request's own keys; a step whose metadata has ``common_prefix_len`` replays that one. The KV caches are captured by address: they must not be
 reallocated afterwards.
 
 ``graph_factory`` is injectable: on CUDA it records real graphs; tests on the CPU pass a factory
@@ -32,7 +35,7 @@ from typing import Callable, Optional, Protocol
 import torch
 from torch import nn
 
-from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.metadata import CASCADE_MIN_REQS, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class CudaGraphRunner:
         block_size: int,
         max_seq_len: Optional[int] = None,
         graph_factory: Optional[GraphFactory] = None,
+        cascade: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -101,12 +105,18 @@ class CudaGraphRunner:
             self.seq_lens = torch.zeros(n, dtype=torch.int32, **kw)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **kw)
             self.block_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, **kw)
+            self.prefix_kv_lens = torch.zeros(1, dtype=torch.int32, **kw)
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # cascade-attention graphs, keyed like ``graphs`` (buckets of at least CASCADE_MIN_REQS)
+        self.cascade_sizes = tuple(b for b in self.buckets if b >= CASCADE_MIN_REQS) if cascade else ()
+        self.cascade_graphs: dict[int, Graph] = {}
+        self.cascade_outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.num_cascade_replays = 0
 
     # ------------------------------------------------------------------ capture
-    def capture_meta(self, size: int) -> AttentionMetadata:
+    def capture_meta(self, size: int, cascade: bool = False) -> AttentionMetadata:
         """Metadata of bucket ``size`` over views of the static buffers (host fields: bounds)."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
@@ -118,10 +128,12 @@ class CudaGraphRunner:
             block_size=self.block_size,
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            common_prefix_len=self.max_seq_len if cascade else 0,
+            prefix_kv_lens=self.prefix_kv_lens if cascade else None,
         )
 
-    def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
-        meta = self.capture_meta(size)
+    def _forward_fn(self, size: int, cascade: bool = False) -> Callable[[], torch.Tensor]:
+        meta = self.capture_meta(size, cascade)
         ids, pos = self.input_ids[:size], self.positions[:size]
         return lambda: self.model(ids, pos, self.kv_caches, meta)
 
@@ -132,17 +144,20 @@ class CudaGraphRunner:
         if self.graph_factory is None:
             self.graph_factory = TorchCudaGraphFactory(self.device)
         self._reset_padding(0, self.buckets[-1])
+        self.prefix_kv_lens.zero_()
         start = time.perf_counter()
-        for size in reversed(self.buckets):
-            fn = self._forward_fn(size)
+        variants = [(size, False) for size in self.buckets] + [(size, True) for size in self.cascade_sizes]
+        for size, cascade in sorted(variants, reverse=True):
+            fn = self._forward_fn(size, cascade)
             fn()  # warm-up: compiles the Triton kernels and creates library handles outside the graph
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.graphs[size], self.outputs[size] = self.graph_factory.capture(fn)
+            graphs, outputs = (self.cascade_graphs, self.cascade_outputs) if cascade else (self.graphs, self.outputs)
+            graphs[size], outputs[size] = self.graph_factory.capture(fn)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.2f s",
-                    len(self.buckets), list(self.buckets), time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, cascade attention for %s) in %.2f s",
+                    len(variants), list(self.buckets), list(self.cascade_sizes), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ replay
     def bucket_for(self, num_reqs: int) -> int:
@@ -180,6 +195,12 @@ class CudaGraphRunner:
         width = meta.block_tables.shape[1]
         self.block_tables[:num, :width].copy_(meta.block_tables, non_blocking=True)
         self._reset_padding(num, size)
+        if meta.common_prefix_len > 0 and size in self.cascade_graphs:
+            self.prefix_kv_lens.copy_(meta.prefix_kv_lens, non_blocking=True)
+            self.cascade_graphs[size].replay()
+            self.num_replays += 1
+            self.num_cascade_replays += 1
+            return self.cascade_outputs[size][:num]
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size][:num]
@@ -187,7 +208,7 @@ class CudaGraphRunner:
 
 def make_graph_runner(
     model: nn.Module, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
-    device: torch.device, dtype: torch.dtype, block_size: int,
+    device: torch.device, dtype: torch.dtype, block_size: int, cascade: bool = False,
 ) -> Optional[CudaGraphRunner]:
     """A captured CudaGraphRunner when the device is CUDA and the model's attention backend can be
     captured; None otherwise (the runner then stays eager)."""
@@ -200,6 +221,6 @@ def make_graph_runner(
         return None
     max_blocks = -(-max_model_len // block_size)
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_blocks, device, dtype, block_size,
-                             max_seq_len=max_model_len)
+                             max_seq_len=max_model_len, cascade=cascade)
     runner.capture()
     return runner

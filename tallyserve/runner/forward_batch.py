@@ -8,7 +8,7 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.metadata import AttentionMetadata, cascade_prefix_len
 from tallyserve.core.sched_output import SchedulerOutput
 
 
@@ -50,9 +50,11 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
-              placeholder_src: Optional[Mapping[str, int]] = None) -> "ForwardBatch":
+              placeholder_src: Optional[Mapping[str, int]] = None, cascade: bool = False) -> "ForwardBatch":
         """``placeholder_src``: request id -> row of the in-flight step's sampled-token tensor,
-        needed when an async-scheduled step feeds on tokens that step has not returned yet."""
+        needed when an async-scheduled step feeds on tokens that step has not returned yet.
+        ``cascade``: the attention backend can attend a prefix shared by every request once per
+        step (decode-only steps of enough requests then carry ``common_prefix_len``)."""
         reqs = output.requests
         num_reqs = len(reqs)
         query_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=num_reqs)
@@ -85,7 +87,9 @@ class ForwardBatch:
         ids_t, positions_t, slots_t, sample_t, fill_rows_t, fill_src_t = upload_arrays(
             [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64), fill_rows, fill_src],
             torch.int64, device)
-        cu_t, seq_lens_t, table_t = upload_arrays([cu, seq_lens, table], torch.int32, device)
+        prefix_len = cascade_prefix_len(table, seq_lens, query_lens, block_size) if cascade and num_reqs else 0
+        int32 = [cu, seq_lens, table] + ([np.array([prefix_len])] if prefix_len else [])
+        cu_t, seq_lens_t, table_t, *prefix_t = upload_arrays(int32, torch.int32, device)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=cu_t,
@@ -96,6 +100,8 @@ class ForwardBatch:
             block_size=block_size,
             max_query_len=int(query_lens.max()) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            common_prefix_len=prefix_len,
+            prefix_kv_lens=prefix_t[0] if prefix_t else None,
         )
         return cls(
             input_ids=ids_t,

@@ -190,7 +190,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, num_host_blocks: int = 0, *,
                  use_cuda_graph: bool = False, max_num_seqs: int = 256, max_model_len: Optional[int] = None,
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, use_cascade_attn: bool = True) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -211,13 +211,16 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
         self._token_mirror = None  # host copy of every KV slot's token (penalties read histories from it)
         self._last_step: Optional[AsyncModelRunnerOutput] = None  # its tokens fill the next step's placeholders
+        # cascade attention over a prefix all decode rows share (backends that have it; not disable_cascade_attn)
+        self.use_cascade_attn = use_cascade_attn and getattr(getattr(model, "attn_backend", None),
+                                                             "supports_cascade", False)
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
 
             self.graph_runner = make_graph_runner(model, self.kv_caches, max_num_seqs,
                                                   max_model_len or model_config.max_position_embeddings,
-                                                  device, dtype, block_size)
+                                                  device, dtype, block_size, cascade=self.use_cascade_attn)
 
     def copy_blocks(self, copies: Sequence[KVCopy]) -> None:
         """Partial reuse: copy the leading slots of cached blocks into the requests' new blocks."""
@@ -273,7 +276,8 @@ class ModelRunner:
         """The batch of a step; placeholder rows point at ``prev``'s sampled tokens."""
         for rid in so.finished_request_ids:
             self._generators.pop(rid, None)
-        return ForwardBatch.build(so, self.block_size, self.device, prev.token_index if prev is not None else None)
+        return ForwardBatch.build(so, self.block_size, self.device, prev.token_index if prev is not None else None,
+                                  cascade=self.use_cascade_attn)
 
     def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:

@@ -12,6 +12,7 @@ exact ledger.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -142,6 +143,64 @@ def test_fake_replay_matches_eager_and_padding_writes_nothing(tiny_dir):
         torch.testing.assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
 
 
+class StaticCascadeBackend(StaticDecodeBackend):
+    """The static backend, reading a cascade step's shared prefix from row 0's block table (as the
+    Triton kernel does) for the first ``prefix_kv_lens[0]`` keys, so a wrong length would read the
+    wrong blocks; counts the steps that came with a prefix."""
+
+    supports_cascade = True
+
+    def __init__(self):
+        self.cascade_calls = 0
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        if meta.prefix_kv_lens is not None and meta.max_query_len == 1:
+            self.cascade_calls += 1
+            bs = kv_cache.shape[2]
+            cols = torch.arange(meta.block_tables.shape[1]) * bs
+            shared = (cols < meta.prefix_kv_lens[0])[None, :]
+            meta = dataclasses.replace(meta, block_tables=torch.where(shared, meta.block_tables[:1],
+                                                                      meta.block_tables))
+        return super().forward(q, k, v, kv_cache, meta, scale)
+
+
+def test_fake_replay_of_cascade_graphs(tiny_dir):
+    """With cascade on, buckets of >= 8 requests get a second graph; a decode step naming a shared
+    prefix replays it (the prefix length copied into the static buffer), others the plain graph."""
+    backend = StaticCascadeBackend()
+    ref_model, graph_model = _load(tiny_dir, None), _load(tiny_dir, backend)
+    ref_kv = PagedKV(ref_model, num_blocks=96, block_size=4, seed=3)
+    graph_kv = PagedKV(graph_model, num_blocks=96, block_size=4, seed=3)
+    factory = ReplayByRerun()
+    runner = CudaGraphRunner(graph_model, graph_kv.kv_caches, max_num_seqs=16, max_blocks_per_seq=16,
+                             device=torch.device("cpu"), dtype=torch.float32, block_size=4, graph_factory=factory,
+                             cascade=True)
+    runner.capture()
+    assert runner.cascade_sizes == (8, 16) and factory.captured == len(runner.buckets) + 2
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 250) for _ in range(12)]  # three whole blocks
+    own = [(f"r{i}", [rng.randrange(3, 250) for _ in range(1 + i % 3)]) for i in range(10)]
+    for kv in (ref_kv, graph_kv):
+        kv.step([("p", prefix)])
+        for i in range(10):  # the requests share p's three blocks, then go on with their own tokens
+            kv.block_tables[f"r{i}"] = list(kv.block_tables["p"][:3])
+            kv.num_computed[f"r{i}"] = 12
+        kv.step(own)
+    for step in range(4):
+        batch = [(f"r{i}", [rng.randrange(3, 250)]) for i in range(10)]
+        ref = ref_kv.step(batch)
+        ids, positions, meta = graph_kv.build(batch)
+        if step != 2:  # step 2 names no prefix: the plain graph
+            meta = dataclasses.replace(meta, common_prefix_len=12, prefix_kv_lens=torch.tensor([12], dtype=torch.int32))
+        hidden = runner.run(_batch(ids, positions, meta))
+        logits = graph_model.compute_logits(hidden)
+        for row, (rid, _) in enumerate(batch):
+            torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
+        if step != 2:
+            assert runner.prefix_kv_lens.tolist() == [12]
+    assert runner.num_replays == 4 and runner.num_cascade_replays == 3
+
+
 def test_can_run_rejects_non_decode_and_oversize(tiny_dir):
     model = _load(tiny_dir, StaticDecodeBackend())
     kv = PagedKV(model, num_blocks=64, block_size=4)
@@ -254,6 +313,39 @@ def test_engine_with_cuda_graphs_matches_eager_and_hf(tiny_dir):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False)
         assert toks == ref[0, len(p):].tolist()
+
+
+@cuda
+def test_cascade_attention_engine_matches_plain_and_hf(tiny_dir):
+    """Twelve prompts behind one 304-token prefix (prefix caching shares its blocks): decode steps
+    attend the prefix once for all requests (cascade), in CUDA graphs and eagerly; the tokens equal
+    per-request attention's (disable_cascade_attn) and Hugging Face's, and the ledger is exact."""
+    from tallyserve import LLM, SamplingParams
+
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 250) for _ in range(304)]
+    prompts = [prefix + [rng.randrange(3, 250) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for eager, cascade in ((False, True), (True, True), (False, False)):
+        llm = LLM(model=tiny_dir, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16,
+                  disable_cascade_attn=not cascade)
+        llm.generate([{"prompt_token_ids": prefix + [9]}], SamplingParams(max_tokens=1))  # cache the prefix
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[eager, cascade] = [o.outputs[0].token_ids for o in outs]
+        s = llm.stats()
+        assert s["scheduled_tokens"] == s["forward_tokens"] and s["ledger_violations"] == 0
+        graph_runner = llm.engine.runner.graph_runner
+        if not eager:
+            assert (graph_runner.num_cascade_replays > 0) == cascade, graph_runner.num_cascade_replays
+    assert runs[False, True] == runs[True, True] == runs[False, False]
+    hf = load_hf_model(tiny_dir)
+    for p, toks in zip(prompts[:4], runs[False, True]):
+        ids = torch.tensor([p])
+        with torch.no_grad():  # greedy by hand: ignore_eos keeps EOS as a token, generate() would not emit it
+            for _ in range(12):
+                ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], 1)
+        assert toks == ids[0, len(p):].tolist()
 
 
 @cuda

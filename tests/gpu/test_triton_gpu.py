@@ -29,19 +29,22 @@ REL_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DEV = torch.device("cuda")
 
 
-def make_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, num_blocks=None, width=None):
+def make_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, num_blocks=None, width=None, shared_blocks=0):
     """reqs: [(cached_len, query_len)]: the cached prefixes are written into a NaN-filled cache
-    through shuffled block tables; returns q, k, v (new rows + padding rows), cache, metadata."""
+    through shuffled block tables; returns q, k, v (new rows + padding rows), cache, metadata.
+    ``shared_blocks``: every request's first blocks are the same blocks (one prefix, as prefix
+    caching shares it); the metadata then names that prefix for cascade attention."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     num_blocks = num_blocks or sum(-(-(c + n) // bs) for c, n in reqs) + 8
     cache = torch.full(get_kv_cache_shape(num_blocks, bs, hkv, dim), float("nan"), dtype=dtype, device=DEV)
     flat = cache.view(2, -1, hkv, dim)
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
+    shared = [free.pop() for _ in range(shared_blocks)]
     qs, ks, vs, slots, starts, tables = [], [], [], [], [0], []
     for cached, new in reqs:
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // bs))]
+        table = shared + [free.pop() for _ in range(-(-total // bs) - len(shared))]
         tables.append(table)
         pos = torch.arange(total, device=DEV)
         req_slots = torch.tensor(table, device=DEV)[pos // bs] * bs + pos % bs
@@ -67,16 +70,18 @@ def make_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, num_blocks=N
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV),
         query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens), block_size=bs,
         max_query_len=max(n for _, n in reqs), max_seq_len=max(seq_lens),
+        common_prefix_len=shared_blocks * bs,
+        prefix_kv_lens=torch.tensor([shared_blocks * bs], dtype=torch.int32, device=DEV) if shared_blocks else None,
     )
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta
 
 
-def check_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, config=None):
+def check_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, config=None, shared_blocks=0):
     from tallyserve.attention import torch_ref
     from tallyserve.attention.triton_attn import KernelConfig, paged_attention
     from tallyserve.attention.triton_cache import write_kv_cache
 
-    q, k, v, cache, meta = make_case(reqs, hq, hkv, dim, bs, dtype, seed, num_padding)
+    q, k, v, cache, meta = make_case(reqs, hq, hkv, dim, bs, dtype, seed, num_padding, shared_blocks=shared_blocks)
     scale = dim ** -0.5
     ref_cache, tri_cache = cache.clone(), cache.clone()
     n = meta.num_tokens
@@ -118,6 +123,27 @@ def test_decode_only_split_k(num_reqs, ctx):
     """Auto split count (fills the SMs at small batch), pure decode steps as CUDA graphs run them."""
     rng = random.Random(num_reqs)
     check_case([(rng.randint(ctx // 2, ctx), 1) for _ in range(num_reqs)], 32, 8, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_reqs,prefix_blocks,own", [(128, 128, 64), (8, 16, 3000), (256, 32, 1), (33, 256, 700)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cascade_decode_over_shared_prefix(num_reqs, prefix_blocks, own, dtype):
+    """Decode rows whose first blocks are one shared prefix: the prefix attended once for all rows
+    (cascade) equals the reference, and equals each row reading it itself within rounding."""
+    import dataclasses
+
+    from tallyserve.attention.triton_attn import paged_attention
+    from tallyserve.attention.triton_cache import write_kv_cache
+
+    rng = random.Random(num_reqs)
+    reqs = [(prefix_blocks * 16 + rng.randint(0, own - 1), 1) for _ in range(num_reqs)]
+    check_case(reqs, 32, 8, 128, 16, dtype, shared_blocks=prefix_blocks)
+    q, k, v, cache, meta = make_case(reqs, 32, 8, 128, 16, dtype, shared_blocks=prefix_blocks)
+    write_kv_cache(k, v, cache, meta.slot_mapping)
+    cascade = paged_attention(q, cache, meta, 128 ** -0.5).float()
+    plain = paged_attention(q, cache, dataclasses.replace(meta, common_prefix_len=0, prefix_kv_lens=None),
+                            128 ** -0.5).float()
+    assert (cascade - plain).abs().max().item() <= REL_TOL[dtype] * plain.abs().max().item()
 
 
 def test_forced_splits_match():

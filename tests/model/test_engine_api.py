@@ -73,8 +73,8 @@ def test_ledger_mismatch_fails_only_that_step(model_dir, monkeypatch, async_sche
     real_build = ForwardBatch.build
     calls = {"n": 0}
 
-    def bad_build(so, block_size, device, placeholder_src=None):
-        batch = real_build(so, block_size, device, placeholder_src)
+    def bad_build(so, block_size, device, placeholder_src=None, **kw):
+        batch = real_build(so, block_size, device, placeholder_src, **kw)
         calls["n"] += 1
         if calls["n"] == 2:  # the forward pass would compute one token more than was charged
             object.__setattr__(batch, "num_tokens", batch.num_tokens + 1)

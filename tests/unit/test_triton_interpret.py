@@ -17,6 +17,7 @@ that one interpreter function (upcast to float32 first) so the bf16 case tests o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -56,6 +57,21 @@ CASES = {
     # CUDA-graph padding: decode requests with seq_len 0 and slot -1 must read and write nothing.
     "graph_padding_seq_len_0": ([(12, 1), (40, 1), "pad", "pad", "pad"], 4, 2, 64, 4, "float32", 0,
                                 dict(block_n=16, num_splits=4)),
+    # Cascade attention: decode requests whose first blocks are the same physical blocks (one set of
+    # K/V); the metadata names the shared prefix and the kernels attend it once for all requests.
+    "cascade_gqa4_bf16": ([(40, 1), (41, 1), (47, 1), (52, 1), (40, 1), (63, 1), (44, 1), (90, 1), (45, 1), (58, 1)],
+                          8, 2, 64, 8, "bfloat16", 0,
+                          dict(block_n=16, cascade_block_m=16, cascade_num_splits=2), dict(shared_blocks=5)),
+    # one own key only (seq_len = prefix + 1), more prefix splits than tiles of keys, a split suffix
+    "cascade_fp32_one_own_key_split_suffix": ([(32, 1), (33, 1), (32, 1), (70, 1), (35, 1), (40, 1), (32, 1), (36, 1)],
+                                              4, 1, 64, 8, "float32", 0,
+                                              dict(block_n=16, num_splits=2, cascade_block_m=16, cascade_num_splits=4),
+                                              dict(shared_blocks=4)),
+    # CUDA-graph replay: the host field is the capture bound (max_seq_len), the device tensor the
+    # real length; padding requests (seq_len 0) must stay zero; group 3 rows straddle tiles
+    "cascade_graph_bound_padding_group3": ([(16, 1), (19, 1), (30, 1), (17, 1), (22, 1), (16, 1), (25, 1), (18, 1),
+                                            (20, 1), "pad", "pad", "pad"], 6, 2, 64, 4, "float32", 0,
+                                           dict(block_n=16, cascade_block_m=16), dict(shared_blocks=4, bound=True)),
 }
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
@@ -68,7 +84,9 @@ def _make_case(spec, seed):
     from tallyserve.attention.backend import get_kv_cache_shape
     from tallyserve.attention.metadata import AttentionMetadata
 
-    reqs, hq, hkv, dim, bs, dtype_name, num_padding, _ = spec
+    reqs, hq, hkv, dim, bs, dtype_name, num_padding = spec[:7]
+    cascade = spec[8] if len(spec) > 8 else {}
+    shared = cascade.get("shared_blocks", 0)
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
     real = [r for r in reqs if r != "pad"]
@@ -77,15 +95,19 @@ def _make_case(spec, seed):
     flat = cache.view(2, -1, hkv, dim)
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
+    shared_table = [free.pop() for _ in range(shared)]
+    shared_k, shared_v = (torch.randn(shared * bs, hkv, dim, generator=gen).to(dtype) for _ in range(2))
     q_rows, k_rows, v_rows, slots, starts, seq_lens, tables = [], [], [], [], [0], [], []
     for r in reqs:
         cached, new = (0, 1) if r == "pad" else r
         total = 0 if r == "pad" else cached + new
-        table = [free.pop() for _ in range(-(-total // bs))]
+        own = 0 if r == "pad" else shared
+        table = shared_table[:own] + [free.pop() for _ in range(-(-total // bs) - own)]
         tables.append(table)
         req_slots = [table[p // bs] * bs + p % bs for p in range(total)]
         k = torch.randn(max(total, 1), hkv, dim, generator=gen).to(dtype)
         v = torch.randn(max(total, 1), hkv, dim, generator=gen).to(dtype)
+        k[: own * bs], v[: own * bs] = shared_k[: own * bs], shared_v[: own * bs]
         flat[0, req_slots[:cached]] = k[:cached]
         flat[1, req_slots[:cached]] = v[:cached]
         k_rows.append(k[-new:])
@@ -103,6 +125,8 @@ def _make_case(spec, seed):
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens), block_size=bs,
         max_query_len=max(starts[i + 1] - starts[i] for i in range(len(reqs))), max_seq_len=max(seq_lens),
+        common_prefix_len=(max(seq_lens) if cascade.get("bound") else shared * bs) if shared else 0,
+        prefix_kv_lens=torch.tensor([shared * bs], dtype=torch.int32) if shared else None,
     )
     q = torch.cat(q_rows + [pad[0]])
     return q, torch.cat(k_rows + [pad[1]]), torch.cat(v_rows + [pad[2]]), cache, meta
@@ -153,6 +177,12 @@ def _run_case(name):
     # the backend end to end (check, write, attend) on a fresh cache gives the same output
     fresh = cache.clone()
     out2 = TritonAttentionBackend(KernelConfig(**spec[7])).forward(q, k, v, fresh, meta, scale)
+    # with a shared prefix: the same step without cascade attention (each request reads it itself)
+    plain_err = 0.0
+    if meta.common_prefix_len:
+        plain = paged_attention(q, tri_cache, dataclasses.replace(meta, common_prefix_len=0, prefix_kv_lens=None),
+                                scale, config=KernelConfig(**spec[7]))
+        plain_err = float((out.float() - plain.float()).abs().max())
     return {
         "cache_equal": _same_cache(ref_cache, tri_cache) and _same_cache(ref_cache, fresh),
         "all_finite": bool(out.isfinite().all()),
@@ -161,6 +191,7 @@ def _run_case(name):
         "padding_zero": bool((out[meta.num_tokens:] == 0).all()),
         "backend_equal": bool(torch.equal(out, out2)),
         "dtype_ok": out2.dtype == q.dtype and out2.shape == q.shape,
+        "plain_err": plain_err,
     }
 
 
@@ -248,6 +279,7 @@ def test_kernels_match_torch_reference(results, name):
     assert res["backend_equal"], "TritonAttentionBackend.forward differs from write + paged_attention"
     tol = TOLERANCE[CASES[name][5]] * max(1.0, res["ref_scale"])
     assert res["max_err"] <= tol, f"max abs error {res['max_err']:.3g} > {tol:.3g}"
+    assert res["plain_err"] <= tol, f"cascade vs per-request kernels: {res['plain_err']:.3g} > {tol:.3g}"
 
 
 @needs_interpreter
