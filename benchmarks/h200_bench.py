@@ -48,10 +48,12 @@ sys.path.insert(0, str(REPO))
 
 HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # docs/benchmarks.md, H200, transformers generate_batch
 ROOFLINE = {"mixed_s": 6.2, "decode_step_ms": 3.8}
-SECTIONS = ("micro", "checks", "mixed", "shared", "decode", "tune")  # tune: not run by default
+SECTIONS = ("micro", "checks", "mixed", "shared", "decode", "tune", "cascade")  # the last two: not by default
 
 
-from h200_checks import _median_ms, bench_micro, log, run_graph_check, run_kernel_checks, run_tune  # noqa: E402
+from h200_checks import (  # noqa: E402
+    _median_ms, bench_micro, log, run_cascade_tune, run_graph_check, run_kernel_checks, run_tune,
+)
 
 
 def mixed_prompts(vocab: int, scale: float):
@@ -95,16 +97,16 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
         engine.add_request(rid, {"prompt_token_ids": p}, params)
     done, out_tokens, timed_out = set(), 0, False
     runner, seen, step_log = engine.runner, [], []
-    execute = runner.execute
+    forward = runner._forward
 
     def traced(batch, *a, **kw):  # what each forward was: for the step-time profile below
         m = batch.attn_meta
         graphs = getattr(runner, "graph_runner", None)
         seen.append((m.num_reqs, batch.num_tokens, m.max_query_len,
                      bool(graphs is not None and graphs.can_run(batch))))
-        return execute(batch, *a, **kw)
+        return forward(batch, *a, **kw)
 
-    runner.execute = traced
+    runner._forward = traced
     while engine.has_unfinished_requests():
         t_step = time.perf_counter()
         outs = engine.step()
@@ -121,7 +123,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
             engine.step()
             break
     wall = time.perf_counter() - start
-    runner.execute = execute
+    del runner._forward  # the method again
     prompt_tokens = sum(len(p) for p in prompts)
     res = {"requests": len(prompts), "completed": len(done), "prompt_tokens": prompt_tokens,
            "output_tokens": out_tokens, "wall_s": wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
@@ -234,7 +236,7 @@ def _table(results: dict) -> str:
         bad = [c["name"] for c in results["checks"] if not c.get("ok")]
         rows.append(("checks", "all ok" if not bad else f"FAILED: {bad}"))
     hf = results.get("hf", {})
-    for name in ("mixed", "shared", "mixed_sync", "shared_sync"):
+    for name in ("mixed", "shared", "mixed_sync", "shared_sync", "mixed_nocascade", "shared_nocascade"):
         r = results.get(name)
         if not r or "wall_s" not in r:
             continue
@@ -249,7 +251,7 @@ def _table(results: dict) -> str:
                 line += f" HF ERROR: {hf[base]['error']}"
         t = r["timings_s"]
         parts = "/".join(f"{t.get(k, 0):.1f}" for k in ("schedule", "launch", "wait", "update"))
-        line += (f"; ledger {'ok' if r['ledger_ok'] else 'VIOLATED'}; graphs {r['graph_replays']}"
+        line += (f"; ledger {'ok' if r['ledger_ok'] else 'VIOLATED'}; graphs {r['graph_replays']} (cascade {r.get('cascade_replays', 0)})"
                  f"; steps {r['stats'].get('steps')} (async {r['stats'].get('async_steps')}); t[s/b/f/s/w/u]={parts}")
         for kind, g in r.get("step_profile", {}).items():
             if kind != "slowest":
@@ -280,11 +282,13 @@ def _table(results: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(SECTIONS[:-1]), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--only", default=",".join(SECTIONS[:-2]), help=f"comma list of {SECTIONS}")
     ap.add_argument("--with-hf", action="store_true", help="also run HF generate_batch on mixed/shared (slow)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B against the default)")
     ap.add_argument("--graph-ab", action="store_true", help="decode: also time with the graph runner switched off")
     ap.add_argument("--async-ab", action="store_true", help="also run each workload with async scheduling off")
+    ap.add_argument("--cascade-ab", action="store_true",
+                    help="also run each workload with cascade attention off (disable_cascade_attn)")
     ap.add_argument("--decode-sampling", action="store_true",
                     help="decode: also time temperature 0.8, top_p 0.95, top_k 50 sampling")
     ap.add_argument("--pytest", action="store_true", help="also run pytest tests/gpu in a subprocess")
@@ -319,6 +323,8 @@ def main() -> int:
         results["checks"] = run_kernel_checks()
     if "tune" in only and on_gpu:
         results["tune"] = run_tune()
+    if "cascade" in only and on_gpu:
+        results["cascade"] = run_cascade_tune()
 
     if args.pytest:
         try:
@@ -378,24 +384,34 @@ def main() -> int:
             run_requests(engine, warm, 4, deadline, f"warmup{i}")
         workloads = {"mixed": mixed_prompts(vocab, args.scale), "shared": shared_prompts(vocab, args.scale)}
         modes = [(engine.async_scheduling, "")] + ([(False, "_sync")] if args.async_ab else [])
+        cascade_on = getattr(engine.runner, "use_cascade_attn", False)
+        variants = [(a, cascade_on, sfx) for a, sfx in modes]
+        if args.cascade_ab and cascade_on:
+            variants.append((engine.async_scheduling, False, "_nocascade"))
         for name in ("mixed", "shared"):
-            for async_sched, suffix in modes:
+            for shift, (async_sched, cascade, suffix) in enumerate(variants):
                 if name not in only:
                     continue
                 if time.perf_counter() > deadline:
                     results["skipped"].append(f"{name}{suffix}: time budget")
                     continue
                 engine.async_scheduling = async_sched  # between workloads nothing is in flight
+                engine.runner.use_cascade_attn = cascade
                 prompts, max_new = workloads[name]
-                if suffix:  # same lengths and sharing, other tokens: no prefix hit on the first run's KV
-                    prompts = [[(t + 1) % vocab for t in p] for p in prompts]
+                if shift:  # same lengths and sharing, other tokens: no prefix hit on the first run's KV
+                    prompts = [[(t + shift) % vocab for t in p] for p in prompts]
                 log(f"{name}{suffix}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
-                    f"{max_new} new each, async scheduling {async_sched}")
+                    f"{max_new} new each, async scheduling {async_sched}, cascade attention {cascade}")
+                graphs = getattr(engine.runner, "graph_runner", None)
+                cascade_before = graphs.num_cascade_replays if graphs is not None else 0
                 try:
                     results[name + suffix] = run_requests(engine, prompts, max_new, deadline, name + suffix)
+                    if graphs is not None:
+                        results[name + suffix]["cascade_replays"] = graphs.num_cascade_replays - cascade_before
                 except Exception:  # noqa: BLE001
                     results[name + suffix] = {"error": traceback.format_exc()}
                 log(f"{name}{suffix}: {json.dumps(results[name + suffix])}")
+        engine.runner.use_cascade_attn = cascade_on
         engine.async_scheduling = modes[0][0]
         if "decode" in only:
             results["decode"] = {}

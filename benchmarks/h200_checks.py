@@ -58,9 +58,10 @@ def bench_micro() -> dict:
 
 
 # ----------------------------------------------------------------------------- checks
-def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0):
+def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, shared_blocks=0):
     """Mixed batch over a NaN-filled paged cache (cached prefixes pre-written through shuffled
-    block tables); mirrors tests/gpu/test_triton_gpu.py::make_case."""
+    block tables); mirrors tests/gpu/test_triton_gpu.py::make_case. ``shared_blocks``: every
+    request's first blocks are the same blocks, named in the metadata for cascade attention."""
     from tallyserve.attention.backend import get_kv_cache_shape
     from tallyserve.attention.metadata import AttentionMetadata
 
@@ -70,10 +71,11 @@ def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0):
     cache = torch.full(get_kv_cache_shape(num_blocks, bs, hkv, dim), float("nan"), dtype=dtype, device=dev)
     flat = cache.view(2, -1, hkv, dim)
     free = np.random.default_rng(seed).permutation(num_blocks).tolist()
+    shared = [free.pop() for _ in range(shared_blocks)]
     qs, ks, vs, slots, starts, tables = [], [], [], [], [0], []
     for cached, new in reqs:
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // bs))]
+        table = shared + [free.pop() for _ in range(-(-total // bs) - len(shared))]
         tables.append(table)
         pos = torch.arange(total, device=dev)
         req_slots = torch.tensor(table, device=dev)[pos // bs] * bs + pos % bs
@@ -99,16 +101,19 @@ def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0):
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
         query_start_loc_cpu=tuple(starts), seq_lens_cpu=tuple(seq_lens), block_size=bs,
         max_query_len=max(n for _, n in reqs), max_seq_len=max(seq_lens),
+        common_prefix_len=shared_blocks * bs,
+        prefix_kv_lens=torch.tensor([shared_blocks * bs], dtype=torch.int32, device=dev) if shared_blocks else None,
     )
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta
 
 
-def _check_attention(name, reqs, dtype=torch.bfloat16, tol=1.5e-2, num_padding=4) -> dict:
+def _check_attention(name, reqs, dtype=torch.bfloat16, tol=1.5e-2, num_padding=4, shared_blocks=0) -> dict:
     from tallyserve.attention import torch_ref
     from tallyserve.attention.triton_attn import paged_attention
     from tallyserve.attention.triton_cache import write_kv_cache
 
-    q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, dtype, num_padding=num_padding)
+    q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, dtype, num_padding=num_padding,
+                                           shared_blocks=shared_blocks)
     n = meta.num_tokens
     ref_cache, tri_cache = cache.clone(), cache.clone()
     torch_ref.write_kv_cache(k[:n], v[:n], ref_cache, meta.slot_mapping[:n])
@@ -195,10 +200,11 @@ def run_kernel_checks() -> list[dict]:
                                 np.random.default_rng(0).integers(1, 4096, 64)]),
         ("decode_b1_ctx8k_splitk", [(8000, 1)]),
         ("decode_b256_ctx2k", [(int(c), 1) for c in np.random.default_rng(1).integers(1024, 2048, 256)]),
+        ("cascade_b128_prefix2048", [(2048 + int(c), 1) for c in np.random.default_rng(2).integers(64, 128, 128)], 128),
     ]
-    for name, reqs in cases:
+    for name, reqs, *shared in cases:
         try:
-            out.append(_check_attention(name, reqs))
+            out.append(_check_attention(name, reqs, shared_blocks=shared[0] if shared else 0))
         except Exception as exc:  # noqa: BLE001 - report and go on
             out.append({"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         log(f"check {out[-1]}")
@@ -253,6 +259,59 @@ def run_tune() -> dict:
                                (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2), (128, 64, 8, 4))]
     res["prefill_8x1024"] = sweep([(0, 1024)] * 8, pre, "TFLOP/s")
     res["prefill_4x1024_after_3k"] = sweep([(3072, 1024)] * 4, pre[:4], "TFLOP/s")
+    return res
+
+
+def _graph_ms(fn, calls: int = 20, reps: int = 5) -> float:
+    """GPU milliseconds of one ``fn()``: ``calls`` of them captured in one CUDA graph (no launch
+    overhead, as decode steps run), median of ``reps`` replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _median_ms(graph.replay, reps=reps, warmup=1) / calls
+
+
+def run_cascade_tune() -> dict:
+    """Decode attention over a shared prefix (Llama-3-8B attention shape, bf16), GPU time per layer
+    from CUDA-graph replays: per-request kernels against cascade attention with several options,
+    as the shared workload's decode steps (128 requests, 2048 shared tokens, 64-160 own), a full
+    batch over a shorter prefix, and a small batch."""
+    from tallyserve.attention.triton_attn import KernelConfig, paged_attention
+    from tallyserve.attention.triton_cache import write_kv_cache
+
+    rng = np.random.default_rng(7)
+    res = {}
+    configs = [dict()] + [dict(cascade_num_splits=sp) for sp in (2, 8, 16)] + [
+        dict(cascade_block_m=128, cascade_num_warps=8), dict(cascade_block_m=128, cascade_num_warps=8, cascade_num_splits=8),
+        dict(cascade_block_m=128, cascade_num_warps=4), dict(cascade_block_n=32), dict(cascade_block_n=128, cascade_num_warps=8),
+        dict(cascade_num_stages=2), dict(cascade_num_stages=4), dict(decode_block_n=32), dict(decode_block_n=16),
+        dict(decode_block_n=32, cascade_num_splits=8), dict(decode_num_warps=2, decode_block_n=32),
+        dict(cascade_block_m=32), dict(cascade_block_m=32, cascade_num_splits=8)]
+    for name, num_reqs, prefix_blocks, own in (("b128_p2048", 128, 128, (64, 160)), ("b256_p1024", 256, 64, (1, 512)),
+                                               ("b16_p512", 16, 32, (1, 64))):
+        reqs = [(prefix_blocks * 16 + int(rng.integers(*own)), 1) for _ in range(num_reqs)]
+        q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, torch.bfloat16, shared_blocks=prefix_blocks)
+        write_kv_cache(k, v, cache, meta.slot_mapping)
+        plain_meta = dataclasses.replace(meta, common_prefix_len=0, prefix_kv_lens=None)
+        out = torch.empty_like(q)
+        plain_ms = _graph_ms(lambda: paged_attention(q, cache, plain_meta, 0.088, out=out))
+        plain = paged_attention(q, cache, plain_meta, 0.088).float()
+        rows = [{"config": "per-request", "ms": round(plain_ms, 4)}]
+        log(f"cascade {name} {rows[-1]}")
+        for kw in configs:
+            cfg = KernelConfig(**kw)
+            try:
+                ms = _graph_ms(lambda: paged_attention(q, cache, meta, 0.088, out=out, config=cfg))
+                err = (paged_attention(q, cache, meta, 0.088, config=cfg).float() - plain).abs().max().item()
+                rows.append({"config": kw, "ms": round(ms, 4), "speedup": round(plain_ms / ms, 2),
+                             "max_abs_diff_vs_per_request": err})
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"config": kw, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            log(f"cascade {name} {rows[-1]}")
+        res[name] = rows
     return res
 
 

@@ -2,6 +2,7 @@
 batch size, on dummy weights of a real model shape.
 
     PYTHONPATH=$PWD python3 benchmarks/kernel_profile.py --batch 1 --batch 246 [--context 640]
+    PYTHONPATH=$PWD python3 benchmarks/kernel_profile.py --batch 128 --context 64 --shared-prefix 2048 --cascade-ab
 
 For each batch size it prints the step wall time, the GPU busy time per step (union of kernel
 intervals: what is left is idle, waiting for the host) and the kernels by total time, grouped by
@@ -38,17 +39,21 @@ def _busy_us(events) -> float:
     return busy
 
 
-def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = False) -> dict:
+def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = False, shared_prefix: int = 0,
+                  tag: str = "") -> dict:
+    """``shared_prefix``: every prompt starts with the same that many tokens (then ``context`` own ones)."""
     from tallyserve import SamplingParams
 
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(batch)
+    prefix = rng.integers(0, vocab, size=shared_prefix).tolist()
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
     if sampling:
         params = SamplingParams(max_tokens=steps + 40, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": rng.integers(0, vocab, size=context).tolist()}, params)
+    ids = [f"p{tag}{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": prefix + rng.integers(0, vocab, size=context).tolist()}, params)
     while engine.scheduler.num_waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
@@ -68,11 +73,11 @@ def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = Fa
         by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     host_ops = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])[:15]
-    engine.abort_request([f"p{batch}-{i}" for i in range(batch)])
+    engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
     return {
-        "batch": batch, "context": context, "steps": steps,
+        "batch": batch, "context": context, "shared_prefix": shared_prefix, "steps": steps, "run": tag,
         "step_ms": wall * 1e3 / steps,
         "gpu_busy_ms_per_step": _busy_us(kernels) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
@@ -89,6 +94,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sampling", action="store_true", help="temperature 0.8, top_p 0.95, top_k 50 instead of greedy")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra LLM kwarg, key=value (bool/int)")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (before --context)")
+    ap.add_argument("--cascade-ab", action="store_true", help="profile each batch again with cascade attention off")
     args = ap.parse_args()
     from tallyserve import LLM
 
@@ -97,9 +104,17 @@ def main() -> None:
         key, val = kv.split("=", 1)
         kwargs[key] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
     llm = LLM(model=args.model, load_format="dummy", **kwargs)
-    results = [profile_batch(llm, b, args.context, args.steps, args.sampling) for b in (args.batch or [1])]
+    runner = llm.engine.runner
+    cascade_on = getattr(runner, "use_cascade_attn", False)
+    results = []
+    for b in args.batch or [1]:
+        for cascade in (cascade_on, False) if args.cascade_ab and cascade_on else (cascade_on,):
+            runner.use_cascade_attn = cascade
+            results.append(profile_batch(llm, b, args.context, args.steps, args.sampling, args.shared_prefix,
+                                         tag="cascade" if cascade else "plain"))
+    runner.use_cascade_attn = cascade_on
     for r in results:
-        print(f"batch {r['batch']} ctx {r['context']}: step {r['step_ms']:.2f} ms, GPU busy "
+        print(f"[{r['run']}] batch {r['batch']} ctx {r['shared_prefix']}+{r['context']}: step {r['step_ms']:.2f} ms, GPU busy "
               f"{r['gpu_busy_ms_per_step']:.2f} ms, {r['kernels_per_step']:.0f} kernels/step")
         for name, ms in r["top_kernels_ms_per_step"]:
             print(f"    {ms:8.3f} ms  {name}")
