@@ -22,6 +22,7 @@ CUDA graph (capture with ``max_seq_len`` set to the capture-time bound). A reque
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -295,6 +296,8 @@ class KernelConfig:
     cascade_num_warps: int = 4
     cascade_num_stages: Optional[int] = None
     cascade_num_splits: Optional[int] = None
+    cascade_min_split_len: int = 64
+    cascade_max_splits: int = 16
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -309,14 +312,11 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _decode_splits(cfg: KernelConfig, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                   fixed: Optional[int] = -1) -> int:
+def _decode_splits(cfg: KernelConfig, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Power-of-two split count so that about two programs per SM run, bounded by the context.
-    ``num_reqs``: programs per KV head before splitting; ``fixed``: a configured count (default
-    ``cfg.num_splits``; None: choose)."""
-    fixed = cfg.num_splits if fixed == -1 else fixed
-    if fixed is not None:
-        return fixed
+    ``num_reqs``: programs per KV head before splitting."""
+    if cfg.num_splits is not None:
+        return cfg.num_splits
     want = triton.cdiv(2 * _sm_count(device), max(1, num_reqs * num_kv_heads))
     by_len = max(1, max_seq_len // cfg.min_split_len)
     splits = min(want, by_len, cfg.max_splits)
@@ -406,8 +406,12 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
     if cascade:
         block_m_prefix = config.cascade_block_m or 64
         tiles = triton.cdiv(num_reqs * group, block_m_prefix)
-        prefix_splits = _decode_splits(config, tiles, num_kv_heads, meta.common_prefix_len, q.device,
-                                       fixed=config.cascade_num_splits)
+        # a prefix program serves a whole tile of rows, so short splits still pay (64 keys: 16 requests
+        # over 512 shared tokens ran 1.35x faster with 8 splits than with 2 on an H200)
+        prefix_cfg = dataclasses.replace(config, num_splits=config.cascade_num_splits,
+                                         min_split_len=config.cascade_min_split_len,
+                                         max_splits=min(config.max_splits, config.cascade_max_splits))
+        prefix_splits = _decode_splits(prefix_cfg, tiles, num_kv_heads, meta.common_prefix_len, q.device)
     num_slots = splits + prefix_splits
     block_m = max(16, triton.next_power_of_2(group))
     if num_slots > 1:
