@@ -136,6 +136,24 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     return res
 
 
+def _record_triton_compiles() -> list:
+    """A list that collects the name of every Triton kernel compiled from now on (empty if this
+    Triton has no compile hook)."""
+    compiled: list = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiled
+
+    def hook(*args, **kwargs):
+        compiled.append(str(kwargs.get("repr", ""))[:160])
+        return False
+
+    if hasattr(knobs.runtime, "jit_post_compile_hook"):
+        knobs.runtime.jit_post_compile_hook = hook
+    return compiled
+
+
 def _step_profile(step_log) -> dict:
     """Steps grouped as decode-only through a CUDA graph, decode-only eager, or with prefill rows:
     count, total seconds, median ms, mean requests and tokens (step wall time, sampler sync included)."""
@@ -257,6 +275,8 @@ def _table(results: dict) -> str:
             if kind != "slowest":
                 line += (f"; {kind}: {g['steps']} steps {g['total_s']:.1f} s"
                          f" (median {g['median_ms']:.1f} ms, {g['mean_reqs']:.0f} reqs)")
+        if r.get("triton_compiles"):
+            line += f"; {len(r['triton_compiles'])} Triton compiles inside the run"
         if r.get("timed_out"):
             line += " (TIMED OUT: partial)"
         rows.append((name, line))
@@ -383,6 +403,7 @@ def main() -> int:
             warm = [rng.integers(0, vocab, size=n).tolist()] * 2
             run_requests(engine, warm, 4, deadline, f"warmup{i}")
         workloads = {"mixed": mixed_prompts(vocab, args.scale), "shared": shared_prompts(vocab, args.scale)}
+        compiled = _record_triton_compiles()  # a kernel compiled inside a timed run stalls its step
         modes = [(engine.async_scheduling, "")] + ([(False, "_sync")] if args.async_ab else [])
         cascade_on = getattr(engine.runner, "use_cascade_attn", False)
         variants = [(a, cascade_on, sfx) for a, sfx in modes]
@@ -404,10 +425,12 @@ def main() -> int:
                     f"{max_new} new each, async scheduling {async_sched}, cascade attention {cascade}")
                 graphs = getattr(engine.runner, "graph_runner", None)
                 cascade_before = graphs.num_cascade_replays if graphs is not None else 0
+                compiled.clear()
                 try:
                     results[name + suffix] = run_requests(engine, prompts, max_new, deadline, name + suffix)
                     if graphs is not None:
                         results[name + suffix]["cascade_replays"] = graphs.num_cascade_replays - cascade_before
+                    results[name + suffix]["triton_compiles"] = list(compiled)
                 except Exception:  # noqa: BLE001
                     results[name + suffix] = {"error": traceback.format_exc()}
                 log(f"{name}{suffix}: {json.dumps(results[name + suffix])}")
