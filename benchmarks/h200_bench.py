@@ -107,6 +107,16 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
         return forward(batch, *a, **kw)
 
     runner._forward = traced
+    token_times: dict = {}  # request -> when each of its tokens reached the output (as a stream would send it)
+    emit = engine._emit_tokens
+
+    def timed_emit(seq, samples):
+        before_n = seq.num_emitted
+        emit(seq, samples)
+        now = time.perf_counter()
+        token_times.setdefault(seq.request.request_id, []).extend([now] * (seq.num_emitted - before_n))
+
+    engine._emit_tokens = timed_emit
     while engine.has_unfinished_requests():
         t_step = time.perf_counter()
         outs = engine.step()
@@ -124,16 +134,71 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
             break
     wall = time.perf_counter() - start
     del runner._forward  # the method again
+    del engine._emit_tokens
     prompt_tokens = sum(len(p) for p in prompts)
     res = {"requests": len(prompts), "completed": len(done), "prompt_tokens": prompt_tokens,
            "output_tokens": out_tokens, "wall_s": wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
            "output_tok_s": out_tokens / wall, "timed_out": timed_out}
     res.update(_delta(before, _snapshot(engine)))
     res["step_profile"] = _step_profile(step_log)
+    res["latency_ms"] = _latencies(token_times, start)
     s = res["stats"]
     res["ledger_ok"] = (s.get("scheduled_tokens") == s.get("forward_tokens")
                         and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
     return res
+
+
+def _latencies(token_times: dict, start: float) -> dict:
+    """TTFT (from the moment every request was added) and inter-token latency percentiles, ms."""
+    ttft = [t[0] - start for t in token_times.values() if t]
+    itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
+    if not ttft:
+        return {}
+    pct = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)  # noqa: E731
+    out = {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
+    if itl:
+        out.update(itl_p50=pct(itl, 50), itl_p99=pct(itl, 99), itl_max=round(max(itl) * 1e3, 2))
+    return out
+
+
+def run_itl_sweep(engine, prompts, max_new: int, deadline: float, configs) -> list:
+    """The mixed workload (all requests at once) under each scheduler setting: throughput against
+    inter-token latency. ``configs``: dicts of SchedulerConfig fields (max_num_batched_tokens and the
+    partial prefill knobs), applied to the live scheduler between runs (nothing is in flight then)."""
+    import dataclasses
+
+    from tallyserve.core.partial_prefill import PartialPrefillPolicy
+
+    sched = engine.scheduler
+    base = sched.config
+    rows = []
+    for i, kw in enumerate(configs):
+        if time.perf_counter() > deadline:
+            rows.append({"config": kw, "skipped": "time budget"})
+            continue
+        sched.config = dataclasses.replace(base, **kw)
+        sched.prefills = PartialPrefillPolicy(sched.config)
+        shifted = [[(t + 17 + i) % engine.model_config.vocab_size for t in p] for p in prompts]
+        try:
+            r = run_requests(engine, shifted, max_new, deadline, f"itl{i}")
+            rows.append({"config": kw, "wall_s": round(r["wall_s"], 3), "total_tok_s": round(r["total_tok_s"]),
+                         "ledger_ok": r["ledger_ok"], **r["latency_ms"]})
+        except Exception:  # noqa: BLE001
+            rows.append({"config": kw, "error": traceback.format_exc()[-800:]})
+        finally:
+            sched.config = base
+            sched.prefills = PartialPrefillPolicy(base)
+        log(f"itl {rows[-1]}")
+    return rows
+
+
+ITL_CONFIGS = (
+    {},
+    {"max_num_batched_tokens": 4096},
+    {"max_num_batched_tokens": 2048},
+    {"max_num_batched_tokens": 1024},
+    {"max_num_batched_tokens": 2048, "max_num_partial_prefills": 4, "long_prefill_token_threshold": 512},
+)
 
 
 def _record_triton_compiles() -> list:
@@ -275,11 +340,19 @@ def _table(results: dict) -> str:
             if kind != "slowest":
                 line += (f"; {kind}: {g['steps']} steps {g['total_s']:.1f} s"
                          f" (median {g['median_ms']:.1f} ms, {g['mean_reqs']:.0f} reqs)")
+        lat = r.get("latency_ms") or {}
+        if "itl_p99" in lat:
+            line += f"; TTFT p50/p99 {lat['ttft_p50']:.0f}/{lat['ttft_p99']:.0f} ms, ITL p50/p99 {lat['itl_p50']:.1f}/{lat['itl_p99']:.1f} ms"
         if r.get("triton_compiles"):
             line += f"; {len(r['triton_compiles'])} Triton compiles inside the run"
         if r.get("timed_out"):
             line += " (TIMED OUT: partial)"
         rows.append((name, line))
+    for row in results.get("itl_sweep", []):
+        if "wall_s" in row:
+            rows.append((f"itl {row['config'] or 'default'}",
+                         f"{row['wall_s']:.2f} s, {row['total_tok_s']} tok/s; ITL p50/p99 {row.get('itl_p50')}/{row.get('itl_p99')} ms"
+                         f" (max {row.get('itl_max')}); TTFT p50/p99 {row['ttft_p50']}/{row['ttft_p99']} ms"))
     d = results.get("decode")
     if d:
         for key, r in d.items():
@@ -307,6 +380,9 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B against the default)")
     ap.add_argument("--graph-ab", action="store_true", help="decode: also time with the graph runner switched off")
     ap.add_argument("--async-ab", action="store_true", help="also run each workload with async scheduling off")
+    ap.add_argument("--itl-sweep", action="store_true",
+                    help="run the mixed workload again under smaller step budgets and the partial prefill knobs: "
+                         "throughput against inter-token latency")
     ap.add_argument("--cascade-ab", action="store_true",
                     help="also run each workload with cascade attention off (disable_cascade_attn)")
     ap.add_argument("--decode-sampling", action="store_true",
@@ -435,6 +511,8 @@ def main() -> int:
                     results[name + suffix] = {"error": traceback.format_exc()}
                 log(f"{name}{suffix}: {json.dumps(results[name + suffix])}")
         engine.runner.use_cascade_attn = cascade_on
+        if args.itl_sweep:
+            results["itl_sweep"] = run_itl_sweep(engine, *workloads["mixed"], deadline, ITL_CONFIGS)
         engine.async_scheduling = modes[0][0]
         if "decode" in only:
             results["decode"] = {}
