@@ -154,9 +154,6 @@ class CudaGraphRunner:
                 torch.cuda.synchronize(self.device)
             graphs, outputs = (self.cascade_graphs, self.cascade_outputs) if cascade else (self.graphs, self.outputs)
             graphs[size], outputs[size] = self.graph_factory.capture(fn)
-            # one replay now (padding only: writes nothing): a graph's first launch uploads it to the
-            # device, which took 170-240 ms per bucket on an H200, inside the first step of that size
-            graphs[size].replay()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch sizes %s, cascade attention for %s) in %.2f s",
