@@ -221,7 +221,9 @@ def _record_triton_compiles() -> list:
 
 def _step_profile(step_log) -> dict:
     """Steps grouped as decode-only through a CUDA graph, decode-only eager, or with prefill rows:
-    count, total seconds, median ms, mean requests and tokens (step wall time, sampler sync included)."""
+    count, total seconds, median ms, mean requests and tokens (step wall time, sampler sync included).
+    Under async scheduling the ``engine.step()`` that launches a forward also waits for the step
+    before it, so the first decode step after a prefill step carries that prefill's time."""
     groups: dict = {}
     for num_reqs, num_tokens, max_q, graph, secs in step_log:
         kind = "decode_graph" if graph else ("decode_eager" if max_q == 1 else "with_prefill")
