@@ -85,6 +85,29 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_split(
+    q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_start, kv_end, split, num_splits, offs_m, kv_head,
+    offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Split ``split`` of ``num_splits`` (whole BLOCK_N tiles each) of keys [kv_start, kv_end), every
+    row seeing every key: the normalised output, the running max and the sum of exponentials."""
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    n_start = kv_start + split * chunk
+    n_end = tl.minimum(n_start + chunk, kv_end)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, n0, n_end, offs_m, kv_head,
+            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+            BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=EVEN_D, PREC=PREC)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
+
+
 # Runtime sizes are not specialised (Triton would otherwise compile a variant for value 1 and for
 # multiples of 16 of each, at a second or more per compile mid-run), so batches of any size and
 # block-table width reuse one compiled kernel per tile shape.
@@ -178,19 +201,11 @@ def _decode_kernel(
         row = q_start.to(tl.int64)
         q = tl.load(q_ptr + row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-        chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
-        n_start = kv_start + split * chunk
-        n_end = tl.minimum(n_start + chunk, seq_len)
-        for n0 in range(n_start, n_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, n_end, offs_m, kv_head,
-                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
-                BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out, m_i, l_i = _attend_split(
+            q, k_cache_ptr, v_cache_ptr, bt_row, kv_start, seq_len, split, num_splits, offs_m, kv_head,
+            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+            BLOCK_M=BLOCK_M, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
         if not SPLIT:
             tl.store(o_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
@@ -231,18 +246,10 @@ def _cascade_prefix_kernel(
     row = tl.load(qsl_ptr + req, mask=in_batch, other=0).to(tl.int64)
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
-    n_start = split * chunk
-    n_end = tl.minimum(n_start + chunk, prefix_len)
-    for n0 in range(n_start, n_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, n0, n_end, offs_m, kv_head,
-            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
-            BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out, m_i, l_i = _attend_split(
+        q, k_cache_ptr, v_cache_ptr, bt_ptr, prefix_len * 0, prefix_len, split, num_splits, offs_m, kv_head,
+        offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+        BLOCK_M=BLOCK_M, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
     lse = tl.where(row_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     part = (req.to(tl.int64) * num_q_heads + head) * num_slots + slot0 + split
     tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], out, mask=in_batch[:, None] & mask_d[None, :])
