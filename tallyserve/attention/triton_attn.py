@@ -229,7 +229,9 @@ def _cascade_prefix_kernel(
     same blocks (row 0 of the block table), attended once per KV tile for a tile of BLOCK_M query
     rows (request x query head of this KV head, row = req * GROUP + g), so the prefix is read once
     per step, not once per request. Split ``num_splits`` ways over the prefix; split s writes slot
-    slot0 + s. Rows of padding requests (seq_len 0) get lse -inf, so they merge to zeros."""
+    slot0 + s. Rows of padding requests (seq_len 0) get lse -inf, so they merge to zeros. A real row
+    shorter than the prefix would too: ``common_prefix_len`` never names one (it stays below every
+    request's length), so no producer of metadata creates such a row."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

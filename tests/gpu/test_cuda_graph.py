@@ -155,6 +155,8 @@ class StaticCascadeBackend(StaticDecodeBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         if meta.prefix_kv_lens is not None and meta.max_query_len == 1:
+            # the Triton backend runs the cascade kernels when the host field is set: so must a cascade graph
+            assert meta.common_prefix_len > 0, "a prefix tensor without common_prefix_len: plain kernels would run"
             self.cascade_calls += 1
             bs = kv_cache.shape[2]
             cols = torch.arange(meta.block_tables.shape[1]) * bs
@@ -179,26 +181,32 @@ def test_fake_replay_of_cascade_graphs(tiny_dir):
     assert runner.cascade_sizes == (8, 16) and factory.captured == len(runner.buckets) + 2
     rng = random.Random(2)
     prefix = [rng.randrange(3, 250) for _ in range(12)]  # three whole blocks
-    own = [(f"r{i}", [rng.randrange(3, 250) for _ in range(1 + i % 3)]) for i in range(10)]
+    own = {f"r{i}": [rng.randrange(3, 250) for _ in range(1 + i % 3)] for i in range(10)}
+    own.update({f"s{i}": [rng.randrange(3, 250) for _ in range(5)] for i in range(10)})
     for kv in (ref_kv, graph_kv):
         kv.step([("p", prefix)])
-        for i in range(10):  # the requests share p's three blocks, then go on with their own tokens
+        for i in range(10):  # r*: p's three blocks, then their own; s*: only p's first block
             kv.block_tables[f"r{i}"] = list(kv.block_tables["p"][:3])
             kv.num_computed[f"r{i}"] = 12
-        kv.step(own)
-    for step in range(4):
-        batch = [(f"r{i}", [rng.randrange(3, 250)]) for i in range(10)]
+            kv.block_tables[f"s{i}"] = list(kv.block_tables["p"][:1])
+            kv.num_computed[f"s{i}"] = 4
+        kv.step(list(own.items()))
+    # (group, shared tokens named): a stale 12 on an s-step would read r0's blocks 1-2 for every row
+    plan = [("r", 12), ("s", 4), ("r", 12), ("s", None), ("s", 4), ("r", 8)]
+    for step, (group, shared) in enumerate(plan):
+        batch = [(f"{group}{i}", [rng.randrange(3, 250)]) for i in range(10)]
         ref = ref_kv.step(batch)
         ids, positions, meta = graph_kv.build(batch)
-        if step != 2:  # step 2 names no prefix: the plain graph
-            meta = dataclasses.replace(meta, common_prefix_len=12, prefix_kv_lens=torch.tensor([12], dtype=torch.int32))
+        if shared is not None:  # None: no prefix named, the plain graph
+            meta = dataclasses.replace(meta, common_prefix_len=shared,
+                                       prefix_kv_lens=torch.tensor([shared], dtype=torch.int32))
         hidden = runner.run(_batch(ids, positions, meta))
         logits = graph_model.compute_logits(hidden)
         for row, (rid, _) in enumerate(batch):
             torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
-        if step != 2:
-            assert runner.prefix_kv_lens.tolist() == [12]
-    assert runner.num_replays == 4 and runner.num_cascade_replays == 3
+        if shared is not None:
+            assert runner.prefix_kv_lens.tolist() == [shared]
+    assert runner.num_replays == 6 and runner.num_cascade_replays == 5
 
 
 def test_can_run_rejects_non_decode_and_oversize(tiny_dir):

@@ -123,3 +123,45 @@ def test_cli_has_disable_cascade_attn():
     add_engine_args(parser)
     assert parser.parse_args(["--disable-cascade-attn"]).disable_cascade_attn is True
     assert not parser.parse_args([]).disable_cascade_attn
+
+
+def test_runner_builds_cascade_batches_only_with_a_capable_backend_and_the_switch_on(tmp_path):
+    from tallyserve.attention.torch_ref import TorchRefBackend
+    from tallyserve.models.loader import load_model, resolve_model
+    from tallyserve.runner.model_runner import ModelRunner
+    from tiny_models import make_tiny_model
+
+    class CascadeCapable(TorchRefBackend):
+        supports_cascade = True
+
+    path = make_tiny_model(tmp_path, "llama")
+    resolved = resolve_model(path, "auto")
+    so = _decode_step(CASCADE_MIN_REQS + 2, shared=20, own=3, bs=16)
+    got = {}
+    for backend in (TorchRefBackend(), CascadeCapable()):
+        model = load_model(resolved, "auto", torch.float32, torch.device("cpu"), 0, backend)
+        for switch in (True, False):
+            runner = ModelRunner(model, resolved.model_config, 16, 16, torch.device("cpu"), torch.float32,
+                                 use_cascade_attn=switch)
+            got[type(backend).__name__, switch] = runner.prepare(so).attn_meta.common_prefix_len
+    assert got == {("TorchRefBackend", True): 0, ("TorchRefBackend", False): 0,
+                   ("CascadeCapable", True): 320, ("CascadeCapable", False): 0}
+
+
+def test_engine_argument_reaches_the_runner(tmp_path, monkeypatch):
+    from tallyserve import LLM
+    from tallyserve.executor import uniproc
+    from tiny_models import make_tiny_model
+
+    seen = []
+    real = uniproc.ModelRunner
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_cascade_attn"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(uniproc, "ModelRunner", spy)
+    path = make_tiny_model(tmp_path, "llama")
+    for disable in (False, True):
+        LLM(model=path, device="cpu", dtype="float32", disable_cascade_attn=disable)
+    assert seen == [True, False]

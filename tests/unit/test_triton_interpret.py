@@ -72,6 +72,13 @@ CASES = {
     "cascade_graph_bound_padding_group3": ([(16, 1), (19, 1), (30, 1), (17, 1), (22, 1), (16, 1), (25, 1), (18, 1),
                                             (20, 1), "pad", "pad", "pad"], 6, 2, 64, 4, "float32", 0,
                                            dict(block_n=16, cascade_block_m=16), dict(shared_blocks=4, bound=True)),
+    # more partial slots (32 own + 16 prefix splits) than the reduce's default bound of 32
+    "cascade_more_slots_than_max_splits": ([(40 + i, 1) for i in range(9)] + ["pad"], 4, 1, 64, 8, "float32", 0,
+                                           dict(block_n=16, num_splits=32, cascade_block_m=16, cascade_num_splits=16),
+                                           dict(shared_blocks=4)),
+    # head_dim 40 (padded to 64) and a group of 24 query heads per KV head, taller than the 16-row tile
+    "cascade_group24_head_dim40": ([(20 + 3 * i, 1) for i in range(8)], 24, 1, 40, 4, "float32", 0,
+                                   dict(block_n=16, cascade_block_m=16, cascade_num_splits=3), dict(shared_blocks=5)),
 }
 TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
