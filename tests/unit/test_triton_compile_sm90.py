@@ -34,7 +34,7 @@ def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
            for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "enable_fp_fusion": True})
     except RuntimeError as exc:  # no NVIDIA toolchain in this Triton build
         if "ptxas" in str(exc).lower() or "backend" in str(exc).lower():
             pytest.skip(f"no NVIDIA backend: {exc}")
