@@ -25,6 +25,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
+from tallyserve.attention.metadata import CASCADE_MIN_REQS, cascade_prefix_len
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 
@@ -70,9 +73,18 @@ class StepShape:
     attn_pairs: int  # causal query-key pairs: sum of n * start + n * (n + 1) / 2
     host_transfer_tokens: int = 0  # KV slots offloaded to / restored from the host tier
     copy_tokens: int = 0  # KV slots copied device to device (partial-block reuse)
+    # cascade attention: KV tokens at the start of every request's context read once for all of them
+    shared_prefix_tokens: int = 0
+
+    @property
+    def kv_read_tokens(self) -> int:
+        """KV tokens attention reads: each request's context, the shared prefix only once."""
+        return self.context_tokens - max(self.num_requests - 1, 0) * self.shared_prefix_tokens
 
     @classmethod
-    def of(cls, so: SchedulerOutput) -> "StepShape":
+    def of(cls, so: SchedulerOutput, block_size: int = 0, cascade: bool = False) -> "StepShape":
+        """``cascade``: the engine attends a prefix every decode row shares once (as the GPU engine
+        does unless ``disable_cascade_attn``); the step's block tables tell how long it is."""
         tokens = decode = sampled = ctx = pairs = 0
         for e in so.requests:
             n, s = len(e.token_ids), e.start_position
@@ -84,7 +96,22 @@ class StepShape:
         moves = so.kv_transfers
         host = sum(c.num_tokens for c in moves.offloads) + sum(c.num_tokens for c in moves.restores) if moves else 0
         copies = sum(c.num_tokens for c in moves.copies) if moves else 0
-        return cls(tokens, len(so.requests), decode, sampled, ctx, pairs, host, copies)
+        shared = _shared_prefix(so, block_size) if cascade and block_size and decode == len(so.requests) else 0
+        return cls(tokens, len(so.requests), decode, sampled, ctx, pairs, host, copies, shared)
+
+
+def _shared_prefix(so: SchedulerOutput, block_size: int) -> int:
+    """The prefix the engine's batch builder would name for cascade attention (``cascade_prefix_len``)."""
+    reqs = so.requests
+    if len(reqs) < CASCADE_MIN_REQS:
+        return 0
+    width = max(len(e.block_ids) for e in reqs)
+    table = np.zeros((len(reqs), max(width, 1)), dtype=np.int64)
+    for i, e in enumerate(reqs):
+        table[i, :len(e.block_ids)] = e.block_ids
+    seq_lens = np.fromiter((e.start_position + len(e.token_ids) for e in reqs), dtype=np.int64, count=len(reqs))
+    query_lens = np.fromiter((len(e.token_ids) for e in reqs), dtype=np.int64, count=len(reqs))
+    return cascade_prefix_len(table, seq_lens, query_lens, block_size)
 
 
 @dataclass(frozen=True)
@@ -186,7 +213,7 @@ class RooflineCostModel:
         lin_bytes = BF16_BYTES * (m.linear_params + (m.lm_head_params if s.num_sampled else 0))
         t_lin = max(lin_flops / hw.matmul_flops, lin_bytes / hw.mem_bandwidth)
         attn_flops = float(m.attn_flops_per_pair) * s.attn_pairs
-        kv_bytes = float(m.kv_bytes_per_token) * (s.context_tokens + s.num_tokens)  # read all, write new
+        kv_bytes = float(m.kv_bytes_per_token) * (s.kv_read_tokens + s.num_tokens)  # read all, write new
         t_attn = max(attn_flops / hw.matmul_flops, kv_bytes / hw.mem_bandwidth)
         t_comm = self.comm_time(s)
         t = (t_lin + t_attn + t_comm + transfer_time(m, hw.host_bandwidth, hw.mem_bandwidth, s)
@@ -232,6 +259,8 @@ class ProfileCostModel:
     turn. With async scheduling (`async_scheduling = True`, which the simulator sets from its mode)
     the host part of a step (`host_time_s`, when the profile has it) runs while the device
     computes the step before, so a step in the stream costs max(host, total - host).
+    A step whose decode rows share a prefix (cascade attention, see ``StepShape.kv_read_tokens``) is
+    looked up at the context length that reads as much KV: the grid's steps share nothing.
     """
 
     async_scheduling = False
@@ -255,6 +284,8 @@ class ProfileCostModel:
             raise ValueError(f"profile host_time_s must have shape {shape}")
         self.mem_bytes = float(profile.get("memory_bytes") or HARDWARE["h200"].mem_bytes)
         self.name = f"profile:{profile.get('device', 'unknown')}"
+        # the engine profiled uses cascade attention unless it ran on the CPU (whose backend has none)
+        self.cascade = "cpu" not in str(profile.get("device", "")).lower()
         # KV moves are not in the grid: priced from the model's shape and the profile's bandwidths.
         self.shape = ModelShape.of(model_config) if model_config is not None else None
         self.host_bandwidth = float(profile.get("host_bandwidth") or HARDWARE["h200"].host_bandwidth)
@@ -263,7 +294,7 @@ class ProfileCostModel:
     def step_time(self, s: StepShape) -> float:
         b = max(s.num_requests, 1)
         (bi, bf), (ei, ef), (ci, cf) = (_locate(axis, x) for axis, x in
-                                        zip(self.axes, (b, s.num_tokens - s.num_requests, s.context_tokens / b)))
+                                        zip(self.axes, (b, s.num_tokens - s.num_requests, s.kv_read_tokens / b)))
         nb, ne, nc = (min(1, len(a) - 1) for a in self.axes)  # 0 on a single-point axis
 
         overlap = self.async_scheduling and self.host_table is not None

@@ -93,6 +93,8 @@ class Simulator:
         self.async_scheduling = mode if mode is not None else config.args.async_scheduling is not False
         if hasattr(cost_model, "async_scheduling"):  # a measured profile overlaps host and device work
             cost_model.async_scheduling = self.async_scheduling
+        # cascade attention, as the GPU engine runs it: decode rows sharing a prefix read it once
+        self.cascade = not config.args.disable_cascade_attn and getattr(cost_model, "cascade", True)
 
     # ----------------------------------------------------------------- requests
     def _submit(self, conv_idx: int) -> None:
@@ -161,7 +163,7 @@ class Simulator:
     # ----------------------------------------------------------------- one step
     def _record_step(self, so: SchedulerOutput) -> float:
         """Price a launched step on the virtual clock; returns when it ends."""
-        dt = self.cost.step_time(StepShape.of(so))
+        dt = self.cost.step_time(StepShape.of(so, self.config.cache_config.block_size, self.cascade))
         self.now += dt
         self.busy_s += dt
         self._step_end[so.step_id] = self.now

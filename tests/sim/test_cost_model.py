@@ -83,3 +83,31 @@ def test_kv_moves_cost_host_link_and_device_copies():
     per_token = 2 * 40 * 8 * 128 * 2
     extra = 1600 * per_token / 50e9 + 2 * 10 * per_token / 4.27e12
     assert cost.step_time(moved) - cost.step_time(base) == pytest.approx(extra, rel=1e-9)
+
+
+def _decode_step(num_reqs, shared_blocks, own_blocks, bs=16):
+    from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+    from tallyserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    reqs = tuple(ScheduledRequest(f"r{i}", (5,), (shared_blocks + own_blocks) * bs - 1 - i,
+                                  tuple(range(shared_blocks)) + tuple(1000 + i * own_blocks + j for j in range(own_blocks)),
+                                  True, params, 1) for i in range(num_reqs))
+    return SchedulerOutput(step_id=1, requests=reqs, total_tokens=num_reqs)
+
+
+def test_cascade_attention_reads_a_shared_prefix_once():
+    """Decode rows over a prefix they all share (cascade attention on the GPU): the step reads that
+    prefix's KV once, so the roofline prices (requests - 1) x prefix fewer KV tokens; the same step
+    without cascade, or with too few rows, is priced as before."""
+    mc = load_model_config("llama-3-8b")
+    so = _decode_step(10, shared_blocks=20, own_blocks=3)
+    plain, cascade = StepShape.of(so), StepShape.of(so, 16, cascade=True)
+    assert plain.shared_prefix_tokens == 0 and cascade.shared_prefix_tokens == 320
+    assert cascade.kv_read_tokens == plain.context_tokens - 9 * 320 == plain.kv_read_tokens - 2880
+    assert StepShape.of(_decode_step(7, 20, 3), 16, cascade=True).shared_prefix_tokens == 0  # under 8 rows
+    assert StepShape.of(_decode_step(10, 15, 3), 16, cascade=True).shared_prefix_tokens == 0  # under 256 tokens
+    cost = RooflineCostModel(mc, HARDWARE["h200"])
+    saved = cost.step_time(plain) - cost.step_time(cascade)
+    assert saved == pytest.approx(2880 * ModelShape.of(mc).kv_bytes_per_token / HARDWARE["h200"].mem_bandwidth,
+                                  rel=1e-9)

@@ -161,3 +161,23 @@ def test_kv_pool_from_hardware_memory():
     assert config.cache_config.num_blocks == (int(141e9 * 0.9) - weights) // per_block
     with pytest.raises(ValueError, match="neither a file nor a preset"):
         load_model_config("no-such-model")
+
+
+def test_cascade_attention_shortens_shared_prefix_decode_only():
+    """The same shared-prefix workload with cascade attention and with ``disable_cascade_attn``: the
+    same schedule and tokens, a shorter makespan when the decode rows share a prefix of >= 256 tokens."""
+    w = build_workload(WorkloadOptions(workload="shared-prefix", num_requests=12, seed=3, shared_prefix_groups=1,
+                                       shared_prefix_len=400, shared_prefix_suffix_len=6, random_output_len=16,
+                                       request_rate=float("inf")))
+    runs = {}
+    for disable in (False, True):
+        mc = load_model_config("llama-3-8b")
+        args = EngineArgs(num_gpu_blocks_override=2000, block_size=16, max_num_batched_tokens=2048, max_num_seqs=16,
+                          max_model_len=1024, disable_cascade_attn=disable)
+        res = Simulator(engine_config_for(args, mc, 141e9), load_cost_model("h200", mc),
+                        SimOptions(integrity_every=1)).run(w)
+        _assert_clean(w, res)
+        runs[disable] = res
+    on, off = runs[False], runs[True]
+    assert on.stats["ledger"] == off.stats["ledger"] and on.stats["steps"] == off.stats["steps"]
+    assert on.duration_s < off.duration_s and on.stats["busy_s"] < off.stats["busy_s"]
