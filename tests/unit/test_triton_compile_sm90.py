@@ -48,7 +48,7 @@ HEADS = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, PREC="tf32")
 @pytest.mark.parametrize("cascade", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_kernel_compiles(cascade, split):
-    from tallyserve.attention.triton_attn import _decode_kernel
+    from tallyserve.attention.triton_kernels import _decode_kernel
 
     ptx = _compile(_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=split, CASCADE=cascade, **HEADS))
     assert "_decode_kernel" in ptx
@@ -57,7 +57,7 @@ def test_decode_kernel_compiles(cascade, split):
 @pytest.mark.parametrize("group,head_dim,d_pad,block_m,block_n", [(4, 128, 128, 64, 64), (3, 80, 128, 64, 32),
                                                                   (8, 64, 64, 128, 64)])
 def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n):
-    from tallyserve.attention.triton_attn import _cascade_prefix_kernel
+    from tallyserve.attention.triton_kernels import _cascade_prefix_kernel
 
     ptx = _compile(_cascade_prefix_kernel, dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16,
                                                 BLOCK_M=block_m, BLOCK_N=block_n, PREC="tf32"))
@@ -65,7 +65,7 @@ def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n
 
 
 def test_prefill_and_reduce_kernels_compile():
-    from tallyserve.attention.triton_attn import _prefill_kernel, _reduce_kernel
+    from tallyserve.attention.triton_kernels import _prefill_kernel, _reduce_kernel
 
     assert "_prefill_kernel" in _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32,
                                                                SKIP_DECODE=True, **HEADS))
