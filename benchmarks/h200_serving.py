@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from h200_bench import mixed_prompts, run_requests  # noqa: E402
+from h200_runs import mixed_prompts, run_requests  # noqa: E402
 from h200_checks import log  # noqa: E402
 from serving_overhead import _wait_healthy  # noqa: E402
 

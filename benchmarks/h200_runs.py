@@ -1,0 +1,281 @@
+"""The workloads of benchmarks/h200_bench.py and how it runs them on an engine: prompts, a timed run of
+requests (step profile, TTFT / inter-token latency, Triton compiles inside it), the ITL sweep over
+scheduler settings, batch-1 decode, and transformers' continuous batching for comparison."""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from h200_checks import _median_ms, log  # noqa: E402
+
+HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # docs/benchmarks.md, H200, transformers generate_batch
+
+
+def mixed_prompts(vocab: int, scale: float):
+    rng = np.random.default_rng(0)
+    n = max(1, int(256 * scale))
+    lo, hi = max(2, int(256 * scale)), max(3, int(1024 * scale))
+    lens = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(0, vocab, size=int(L)).tolist() for L in lens], max(1, int(256 * scale))
+
+
+def shared_prompts(vocab: int, scale: float):
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, vocab, size=max(2, int(2048 * scale))).tolist()
+    n = max(1, int(128 * scale))
+    return [prefix + rng.integers(0, vocab, size=max(1, int(64 * scale))).tolist() for _ in range(n)], max(1, int(64 * scale))
+
+
+def _snapshot(engine) -> dict:
+    stats = engine.stats()
+    graphs = getattr(engine.runner, "graph_runner", None)
+    return {"stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+            "timings": dict(engine.timings), "replays": graphs.num_replays if graphs is not None else 0}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    stats = {k: after["stats"][k] - before["stats"].get(k, 0) for k in after["stats"]
+             if k not in ("num_free_blocks", "num_total_blocks", "num_cached_blocks", "num_running", "num_waiting")}
+    timings = {k: round(after["timings"][k] - before["timings"].get(k, 0.0), 4) for k in after["timings"]}
+    return {"stats": stats, "timings_s": timings, "graph_replays": after["replays"] - before["replays"]}
+
+
+def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) -> dict:
+    """Add every prompt, step until all finish (or the deadline: then abort the rest)."""
+    from tallyserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = _snapshot(engine)
+    start = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    done, out_tokens, timed_out = set(), 0, False
+    runner, seen, step_log = engine.runner, [], []
+    forward = runner._forward
+
+    def traced(batch, *a, **kw):  # what each forward was: for the step-time profile below
+        m = batch.attn_meta
+        graphs = getattr(runner, "graph_runner", None)
+        seen.append((m.num_reqs, batch.num_tokens, m.max_query_len,
+                     bool(graphs is not None and graphs.can_run(batch))))
+        return forward(batch, *a, **kw)
+
+    runner._forward = traced
+    token_times: dict = {}  # request -> when each of its tokens reached the output (as a stream would send it)
+    emit = engine._emit_tokens
+
+    def timed_emit(seq, samples):
+        before_n = seq.num_emitted
+        emit(seq, samples)
+        now = time.perf_counter()
+        token_times.setdefault(seq.request.request_id, []).extend([now] * (seq.num_emitted - before_n))
+
+    engine._emit_tokens = timed_emit
+    while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
+        outs = engine.step()
+        if seen:
+            step_log.append(seen.pop() + (time.perf_counter() - t_step,))
+            seen.clear()
+        for out in outs:
+            if out.finished and out.request_id not in done:
+                done.add(out.request_id)
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if time.perf_counter() > deadline:
+            timed_out = True
+            engine.abort_request([r for r in ids if r not in done])
+            engine.step()
+            break
+    wall = time.perf_counter() - start
+    del runner._forward  # the method again
+    del engine._emit_tokens
+    prompt_tokens = sum(len(p) for p in prompts)
+    res = {"requests": len(prompts), "completed": len(done), "prompt_tokens": prompt_tokens,
+           "output_tokens": out_tokens, "wall_s": wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
+           "output_tok_s": out_tokens / wall, "timed_out": timed_out}
+    res.update(_delta(before, _snapshot(engine)))
+    res["step_profile"] = _step_profile(step_log)
+    res["latency_ms"] = _latencies(token_times, start)
+    s = res["stats"]
+    res["ledger_ok"] = (s.get("scheduled_tokens") == s.get("forward_tokens")
+                        and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
+    return res
+
+
+def _latencies(token_times: dict, start: float) -> dict:
+    """TTFT (from the moment every request was added) and inter-token latency percentiles, ms."""
+    ttft = [t[0] - start for t in token_times.values() if t]
+    itl = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
+    if not ttft:
+        return {}
+    pct = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2)  # noqa: E731
+    out = {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
+    if itl:
+        out.update(itl_p50=pct(itl, 50), itl_p99=pct(itl, 99), itl_max=round(max(itl) * 1e3, 2))
+    return out
+
+
+def run_itl_sweep(engine, prompts, max_new: int, deadline: float, configs) -> list:
+    """The mixed workload (all requests at once) under each scheduler setting: throughput against
+    inter-token latency. ``configs``: dicts of SchedulerConfig fields (max_num_batched_tokens and the
+    partial prefill knobs), applied to the live scheduler between runs (nothing is in flight then)."""
+    import dataclasses
+
+    from tallyserve.core.partial_prefill import PartialPrefillPolicy
+
+    sched = engine.scheduler
+    base = sched.config
+    rows = []
+    for i, kw in enumerate(configs):
+        if time.perf_counter() > deadline:
+            rows.append({"config": kw, "skipped": "time budget"})
+            continue
+        sched.config = dataclasses.replace(base, **kw)
+        sched.prefills = PartialPrefillPolicy(sched.config)
+        shifted = [[(t + 17 + i) % engine.model_config.vocab_size for t in p] for p in prompts]
+        try:
+            r = run_requests(engine, shifted, max_new, deadline, f"itl{i}")
+            rows.append({"config": kw, "wall_s": round(r["wall_s"], 3), "total_tok_s": round(r["total_tok_s"]),
+                         "ledger_ok": r["ledger_ok"], **r["latency_ms"]})
+        except Exception:  # noqa: BLE001
+            rows.append({"config": kw, "error": traceback.format_exc()[-800:]})
+        finally:
+            sched.config = base
+            sched.prefills = PartialPrefillPolicy(base)
+        log(f"itl {rows[-1]}")
+    return rows
+
+
+ITL_CONFIGS = (
+    {},
+    {"max_num_batched_tokens": 4096},
+    {"max_num_batched_tokens": 2048},
+    {"max_num_batched_tokens": 1024},
+    {"max_num_batched_tokens": 2048, "max_num_partial_prefills": 4, "long_prefill_token_threshold": 512},
+)
+
+
+def _record_triton_compiles() -> list:
+    """A list that collects the name of every Triton kernel compiled from now on (empty if this
+    Triton has no compile hook)."""
+    compiled: list = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiled
+
+    def hook(*args, **kwargs):
+        compiled.append(str(kwargs.get("repr", ""))[:160])
+        return False
+
+    if hasattr(knobs.runtime, "jit_post_compile_hook"):
+        knobs.runtime.jit_post_compile_hook = hook
+    return compiled
+
+
+def _step_profile(step_log) -> dict:
+    """Steps grouped as decode-only through a CUDA graph, decode-only eager, or with prefill rows:
+    count, total seconds, median ms, mean requests and tokens (step wall time, sampler sync included).
+    Under async scheduling the ``engine.step()`` that launches a forward also waits for the step
+    before it, so the first decode step after a prefill step carries that prefill's time."""
+    groups: dict = {}
+    for num_reqs, num_tokens, max_q, graph, secs in step_log:
+        kind = "decode_graph" if graph else ("decode_eager" if max_q == 1 else "with_prefill")
+        groups.setdefault(kind, []).append((num_reqs, num_tokens, secs))
+    out = {"slowest": [{"reqs": r, "tokens": t, "max_query_len": q, "graph": g, "ms": round(x * 1e3, 1)}
+                       for r, t, q, g, x in sorted(step_log, key=lambda e: -e[-1])[:6]]}
+    for kind, rows in groups.items():
+        secs = [r[2] for r in rows]
+        out[kind] = {"steps": len(rows), "total_s": round(sum(secs), 3), "median_ms": round(statistics.median(secs) * 1e3, 2),
+                     "mean_reqs": round(sum(r[0] for r in rows) / len(rows), 1),
+                     "mean_tokens": round(sum(r[1] for r in rows) / len(rows), 1)}
+    return out
+
+
+def run_decode(engine, vocab: int, steps: int, deadline: float, sampling: bool = False) -> dict:
+    from tallyserve import SamplingParams
+
+    room = engine.config.scheduler_config.max_model_len - steps - 2
+    prompt = np.random.default_rng(2).integers(0, vocab, size=max(1, min(512, room))).tolist()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    if sampling:  # what chat clients send: the filters run on the device every step
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.8, top_p=0.95, top_k=50, seed=0, ignore_eos=True)
+    rid = f"decode-{time.monotonic_ns()}"
+    before = dict(engine.timings)
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    times = []
+    while engine.has_unfinished_requests() and time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if engine.has_unfinished_requests():
+        engine.abort_request(rid)
+        engine.step()
+    decode = times[1:]  # the first step is the prefill
+    after = dict(engine.timings)
+    res = {"prefill_step_ms": times[0] * 1e3 if times else None, "decode_steps": len(decode),
+           "median_step_ms": statistics.median(decode) * 1e3 if decode else None,
+           "p90_step_ms": float(np.percentile(decode, 90)) * 1e3 if decode else None,
+           # wall time per generated token once steady (async: each step() waits for the step before)
+           "mean_step_ms": float(np.mean(times[2:])) * 1e3 if len(times) > 2 else None,
+           "timings_ms_per_step": {k: round((after[k] - before[k]) * 1e3 / max(1, len(times)), 3) for k in after}}
+    graphs = getattr(engine.runner, "graph_runner", None)
+    if graphs is not None and 1 in graphs.graphs:
+        with torch.inference_mode():
+            graphs._reset_padding(0, 1)  # a padding row: writes nothing, reads nothing
+        res["gpu_graph_replay_b1_ms"] = _median_ms(graphs.graphs[1].replay, reps=20)
+    return res
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+def run_hf(model_name: str, workloads: dict, deadline: float) -> dict:
+    import transformers
+    from transformers import GenerationConfig
+
+    cfg_path = REPO / "tallyserve" / "model_configs" / f"{model_name}.json"
+    config = transformers.AutoConfig.for_model(**json.loads(cfg_path.read_text()))
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    out = {"transformers": transformers.__version__}
+    for name, (prompts, max_new) in workloads.items():
+        expected = HF_SECONDS[name] * 1.3 * len(prompts) * max_new / {"mixed": 65536, "shared": 8192}[name]
+        if time.perf_counter() + expected > deadline:  # generate_batch cannot be interrupted
+            out[name] = {"skipped": f"time budget (needs about {expected:.0f} s)"}
+            continue
+        gen_cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            # no inference_mode here: HF's generation thread updates tensors in place
+            res = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+            wall = time.perf_counter() - start
+            gen = sum(len(getattr(r, "generated_tokens", []) or []) for r in res.values())
+            out[name] = {"wall_s": wall, "output_tokens": gen,
+                         "total_tok_s": (sum(len(p) for p in prompts) + gen) / wall}
+            if gen < len(prompts) * max_new:
+                out[name]["error"] = f"HF generated {gen} of {len(prompts) * max_new} tokens (see its log above)"
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"HF {name}: {out[name]}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------- main
