@@ -34,6 +34,14 @@ def upload_arrays(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.de
     return [dev[off:off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
 
 
+def block_table(reqs) -> np.ndarray:
+    """(requests, widest block table) int64: each scheduled request's block ids, padded with 0."""
+    table = np.zeros((len(reqs), max(max((len(r.block_ids) for r in reqs), default=1), 1)), dtype=np.int64)
+    for i, r in enumerate(reqs):
+        table[i, : len(r.block_ids)] = r.block_ids
+    return table
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64
@@ -66,10 +74,7 @@ class ForwardBatch:
         # Position of each row: its request's start plus its offset inside the request's rows.
         req_of_row = np.repeat(np.arange(num_reqs), query_lens)
         positions = starts[req_of_row] + (np.arange(num_tokens) - cu[:-1][req_of_row])
-        max_blocks = max((len(r.block_ids) for r in reqs), default=1)
-        table = np.zeros((num_reqs, max(max_blocks, 1)), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = r.block_ids
+        table = block_table(reqs)
         block_of_row = table[req_of_row, positions // block_size]
         slot_mapping = block_of_row * block_size + positions % block_size
         seq_lens = starts + query_lens

@@ -30,6 +30,7 @@ import numpy as np
 from tallyserve.attention.metadata import CASCADE_MIN_REQS, cascade_prefix_len
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
+from tallyserve.runner.forward_batch import block_table
 
 BF16_BYTES = 2
 
@@ -105,10 +106,7 @@ def _shared_prefix(so: SchedulerOutput, block_size: int) -> int:
     reqs = so.requests
     if len(reqs) < CASCADE_MIN_REQS:
         return 0
-    width = max(len(e.block_ids) for e in reqs)
-    table = np.zeros((len(reqs), max(width, 1)), dtype=np.int64)
-    for i, e in enumerate(reqs):
-        table[i, :len(e.block_ids)] = e.block_ids
+    table = block_table(reqs)
     seq_lens = np.fromiter((e.start_position + len(e.token_ids) for e in reqs), dtype=np.int64, count=len(reqs))
     query_lens = np.fromiter((len(e.token_ids) for e in reqs), dtype=np.int64, count=len(reqs))
     return cascade_prefix_len(table, seq_lens, query_lens, block_size)
