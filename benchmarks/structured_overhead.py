@@ -13,7 +13,10 @@ two runs compute the same number of tokens and the ratio is the constraint's own
 fill on the host, masking on the device, compile excluded: a warm-up compiles the grammar first).
 
 Dummy presets have no tokenizer: the bundled model's (SmolLM2) is used for the grammar unless
---tokenizer names one; its token ids are a subset of any larger vocabulary's. Prints one JSON
+--tokenizer names one; its token ids are a subset of any larger vocabulary's. The grammars are then
+compiled over the tokenizer's 49k ids and the logits past them are masked (``grammar_vocab_size`` in
+the output), as for any model whose logits are wider than its tokenizer; the answers end with the
+tokenizer's EOS, which the engine stops on like the preset's own. Prints one JSON
 object (also written to $OUT/structured_overhead.json when $OUT is set).
 """
 
@@ -138,6 +141,7 @@ def main() -> int:
     result = {
         "model": args.model, "load_format": args.load_format, "device": str(engine.device),
         "async_scheduling": engine.async_scheduling, "num_requests": args.num_requests, "items": args.items,
+        "grammar_vocab_size": engine.structured.manager.grammar_vocab_size,
         "output_tokens": tokens, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in so_outs),
         "valid_json_answers": parsed,
         "structured_s": round(so_s, 3), "plain_s": round(plain_s, 3), "repeats": args.repeats,

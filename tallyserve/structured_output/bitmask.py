@@ -118,8 +118,14 @@ def _upload(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor, cpu_kernel: bool = True) -> torch.Tensor:
-    """Set to -inf, in place, the logits each host bitmask row forbids (rows aligned). On the CPU
-    xgrammar's kernel does it; on a GPU the words are uploaded without waiting and unpacked there."""
+    """Set to -inf, in place, the logits each host bitmask row forbids (rows aligned; tokens past the
+    words' width are forbidden too). On the CPU xgrammar's kernel does it; on a GPU the words are
+    uploaded without waiting and unpacked there."""
+    width = bitmask.shape[1] * 32
+    if width < rows.shape[1]:
+        rows[:, width:] = float("-inf")
+        mask_rows(rows[:, :width], bitmask, cpu_kernel)
+        return rows
     if rows.device.type == "cpu" and cpu_kernel:
         import xgrammar as xgr
 

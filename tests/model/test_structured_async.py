@@ -227,6 +227,33 @@ def test_a_failed_step_fails_its_requests_and_the_next_step_still_samples(model_
     _check_ledger(llm)
 
 
+def test_a_failed_bitmask_fill_fails_its_step_and_the_engine_goes_on(model_dir):
+    """Filling one step's bitmask raises (its forward pass is already queued): that step's requests fail
+    with the error, the engine keeps stepping, later requests are valid, and the ledger and the KV cache
+    stay exact."""
+    llm = LLM(model=model_dir, block_size=4, async_scheduling=True)
+    manager = llm.engine.structured.manager
+    bitmask_for, state = manager.bitmask_for, {"calls": 0}
+
+    def flaky(so, requests):
+        state["calls"] += 1
+        if state["calls"] == 4:
+            raise RuntimeError("injected: the fill failed")
+        return bitmask_for(so, requests)
+
+    manager.bitmask_for = flaky
+    outs = llm.generate(PROMPTS, _json())
+    assert all(o.error is not None and "injected: the fill failed" in o.error for o in outs)
+    assert not llm.engine.core.has_inflight()
+    manager.bitmask_for = bitmask_for
+    again = llm.generate(PROMPTS, _json())
+    for o in again:
+        assert o.error is None
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+    assert _check_ledger(llm)["step_errors"] == 1
+    llm.engine.scheduler.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def manager(model_dir):
     """The engine's structured-output manager and a looping grammar compiled by it."""
