@@ -29,6 +29,7 @@ from tallyserve.engine.errors import (EngineDeadError, FaultKind, QueueFullError
                                        RequestRejectedError, StepFailedError)
 from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MAX_JUMP, SEED_SECONDS_PER_TOKEN,
                                       HealthState)
+from tallyserve.engine.gc_heap import frozen_heap
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.runner.cpu_threads import release_openmp_workers
@@ -259,7 +260,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         reason = "stopped"
         try:
-            reason = self._loop()
+            with frozen_heap():
+                reason = self._loop()
         except _LoopKilled:
             reason = "killed by injected fault"
             logger.error("engine loop killed by an injected fault")

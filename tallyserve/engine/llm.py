@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from tallyserve.config import EngineArgs
+from tallyserve.engine.gc_heap import frozen_heap
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
@@ -95,11 +96,12 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts")
-        while len(results) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+        with frozen_heap():
+            while len(results) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
         bar.close()
         return [results[rid] for rid in ids]
 
@@ -119,10 +121,11 @@ class LLM:
             engine.add_beam_search_request(rid, prompt, params)
             ids.append(rid)
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="Beam search")
-        while any(rid not in engine.beams.outputs for rid in ids) and engine.has_unfinished_requests():
-            engine.step()
-            bar.n = sum(rid in engine.beams.outputs for rid in ids)
-            bar.refresh()
+        with frozen_heap():
+            while any(rid not in engine.beams.outputs for rid in ids) and engine.has_unfinished_requests():
+                engine.step()
+                bar.n = sum(rid in engine.beams.outputs for rid in ids)
+                bar.refresh()
         bar.close()
         return [engine.beams.outputs.pop(rid) for rid in ids]
 

@@ -1,0 +1,46 @@
+"""The step loop runs with the heap frozen (engine/gc_heap.py): full collections skip the engine's
+long-lived objects while it steps, the heap is handed back when the last loop ends, and an engine
+dropped afterwards is still collected."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from tallyserve import LLM, SamplingParams
+from tallyserve.engine.gc_heap import frozen_heap
+from tests.tiny_models import make_tiny_model
+
+
+def test_nested_loops_unfreeze_once_the_last_ends():
+    assert gc.get_freeze_count() == 0
+    keep = [object() for _ in range(10)]
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap():
+            assert gc.get_freeze_count() >= frozen
+        assert gc.get_freeze_count() >= frozen  # the outer loop still runs
+    assert gc.get_freeze_count() == 0
+    del keep
+
+
+def test_generate_freezes_while_stepping_and_the_engine_is_collected_later(tmp_path):
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), block_size=4)
+    seen = []
+    step = llm.engine.step
+
+    def traced_step():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = traced_step
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert seen and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0
+    ref = weakref.ref(llm.engine)
+    llm.engine.step = step
+    del llm, step, traced_step, out
+    gc.collect()
+    assert ref() is None  # nothing stayed in the permanent generation
