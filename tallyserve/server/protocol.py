@@ -381,11 +381,12 @@ class TokenizeRequest(_Request):
     """POST /tokenize: either `prompt` (completion style) or `messages` (through the chat template),
     as vLLM's TokenizeCompletionRequest / TokenizeChatRequest. `add_special_tokens` defaults to
     true for a prompt and false for messages (the template places its own special tokens); with
-    messages, continue_final_message / chat_template / chat_template_kwargs work as in chat."""
+    messages, continue_final_message / chat_template / chat_template_kwargs / tools work as in chat."""
 
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[Any]] = None
+    tools: Optional[list[Any]] = None
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template: Optional[str] = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from tests.server.live_server import API_KEY, MODEL
@@ -59,6 +58,24 @@ def test_tools_are_rendered_by_the_chat_template(tools_server):
     msg = with_tools["choices"][0]["message"]
     assert "tool_calls" not in msg and isinstance(msg["content"], str)  # "none": plain content
     assert with_tools["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_tokenize_renders_tools_as_the_chat_completion_does(tools_server):
+    """/tokenize with `tools` gives exactly the prompt a chat completion with those tools counts; a bad
+    tool or tools with a text prompt is a 400 naming `tools`."""
+    base = {"model": MODEL, "messages": USER, "chat_template": TOOL_TEMPLATE}
+    r = httpx.post(tools_server.base_url + "/tokenize", headers=AUTH, timeout=60, json={**base, "tools": [WEATHER, TIME]})
+    assert r.status_code == 200, r.text
+    usage = _post(tools_server, {"messages": USER, "chat_template": TOOL_TEMPLATE, "tools": [WEATHER, TIME],
+                                 "tool_choice": "none", "max_tokens": 1}).json()["usage"]
+    assert r.json()["count"] == usage["prompt_tokens"]
+    text = httpx.post(tools_server.base_url + "/detokenize", headers=AUTH, timeout=60,
+                      json={"tokens": r.json()["tokens"]}).json()["prompt"]
+    assert text.startswith('<|im_start|>system\nTools: {"name": "get_weather"') and '"get_time"' in text
+    for body in ({**base, "tools": [{"type": "function", "function": {"description": "no name"}}]},
+                 {"model": MODEL, "prompt": "hi", "tools": [WEATHER]}):
+        bad = httpx.post(tools_server.base_url + "/tokenize", headers=AUTH, timeout=60, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"].split("[")[0].split(".")[0] == "tools", bad.text
 
 
 def test_tool_history_reaches_the_template_with_object_arguments(tools_server):
