@@ -310,7 +310,7 @@ def test_batched_matcher_advance_equals_replaying_each_sequence(manager, data, a
                 if not want_matcher.is_terminated():
                     state.matcher.fill_next_token_bitmask(got, 0)
                     assert torch.equal(got, want)
-                assert state.matcher.is_terminated() == want_matcher.is_terminated()
+                assert state.matcher.is_terminated() == want_matcher.is_terminated() == state.ended
     finally:
         for r in reqs:
             m.forget(r.request_id)
