@@ -26,7 +26,7 @@ def wide_model(tmp_path_factory):
     return path
 
 
-def _run(path, monkeypatch=None, **kw):
+def _run(path, **kw):
     llm = LLM(model=path, block_size=4, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=120,
                              structured_outputs=StructuredOutputsParams(json=PERSON, disable_any_whitespace=True)),

@@ -27,12 +27,11 @@ def test_nested_loops_unfreeze_once_the_last_ends():
 
 def test_generate_freezes_while_stepping_and_the_engine_is_collected_later(tmp_path):
     llm = LLM(model=make_tiny_model(tmp_path, "llama"), block_size=4)
-    seen = []
-    step = llm.engine.step
+    seen, orig = [], {"step": llm.engine.step}
 
     def traced_step():
         seen.append(gc.get_freeze_count())
-        return step()
+        return orig["step"]()
 
     llm.engine.step = traced_step
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
@@ -40,7 +39,8 @@ def test_generate_freezes_while_stepping_and_the_engine_is_collected_later(tmp_p
     assert seen and all(n > 0 for n in seen)
     assert gc.get_freeze_count() == 0
     ref = weakref.ref(llm.engine)
-    llm.engine.step = step
-    del llm, step, traced_step, out
+    del llm.engine.step  # the instance attribute: the class's method again
+    orig.clear()
+    del llm, out
     gc.collect()
     assert ref() is None  # nothing stayed in the permanent generation
