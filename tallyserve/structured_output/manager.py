@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -47,7 +47,7 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Optional["Tokenizer"], vocab_size: int, eos_token_ids: Sequence[int],
-                 pin_memory: bool = False, fill_threads: int | str = 1) -> None:
+                 pin_memory: bool = False) -> None:
         self._tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size  # the model's logits width
@@ -60,12 +60,7 @@ class StructuredOutputManager:
         self._json_words: Optional[torch.Tensor] = None
         # One thread fills the rows and one call updates the matchers: at about 1 us per token and per row
         # (256 rows: 0.3 ms each on an H200 host), xgrammar's thread pool and splitting the updates over
-        # threads cost more than they save (0.8-1.2 ms fills, 1.9-3.8 ms updates there). Matchers that are
-        # slow per token can use accept_threads (each matcher stays on one thread).
-        self._fill_threads = fill_threads
-        self.accept_threads = 0
-        self.parallel_accept_min_rows = 64
-        self._accept_pool: Optional[ThreadPoolExecutor] = None
+        # threads cost more than they saved (0.8-1.2 ms fills, 1.9-3.8 ms updates there).
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
         # pinned on CUDA: the step's rows are filled in place and uploaded with one non-blocking copy
         self._buffers = HostBitmaskBuffers((self.grammar_vocab_size + 31) // 32, pin_memory)
@@ -219,20 +214,10 @@ class StructuredOutputManager:
                 st.error = f"the grammar rejected output token {token} at position {len(st.tokens)}"
 
     def _accept(self, matchers: list, tokens: list[int]) -> list[bool]:
-        """``batch_accept_token`` of xgrammar (which releases the GIL), split over the accept threads
-        in contiguous chunks when there are many rows; each matcher is touched by one thread only."""
+        """xgrammar's ``batch_accept_token``: one call for the step's matchers."""
         import xgrammar as xgr
 
-        accept = xgr.BatchGrammarMatcher.batch_accept_token
-        threads = self.accept_threads
-        if threads < 2 or len(matchers) < self.parallel_accept_min_rows:
-            return accept(matchers, tokens)
-        if self._accept_pool is None:
-            self._accept_pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-accept")
-        size = -(-len(matchers) // threads)
-        futures = [self._accept_pool.submit(accept, matchers[i:i + size], tokens[i:i + size])
-                   for i in range(0, len(matchers), size)]
-        return [ok for f in futures for ok in f.result()]
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
 
     def bitmask_for(self, so: "SchedulerOutput", requests: dict[str, "Request"]) -> Optional[GrammarBitmask]:
         """The step's bitmask rows: for every sampling entry with a grammar, one row for its last
@@ -269,7 +254,7 @@ class StructuredOutputManager:
             row += e.num_sample_rows
         if batch:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
+                self._batch = xgr.BatchGrammarMatcher(1)
             self._batch.batch_fill_next_token_bitmask(batch, bitmask, batch_rows)
             if json_rows and self._json_words is not None:
                 _and_rows(bitmask, json_rows, self._json_words)
@@ -315,8 +300,6 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._cache is not None:
             self._cache.shutdown()
-        if self._accept_pool is not None:
-            self._accept_pool.shutdown(wait=False)
 
 
 def _and_rows(bitmask: torch.Tensor, rows: list[int], words: torch.Tensor) -> None:
