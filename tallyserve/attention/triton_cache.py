@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tallyserve.models import pdl
+
 # Elements of one (Hkv * D) row a program copies; a wider row is split over grid axis 1.
 _MAX_ROW_BLOCK = 2048
 
@@ -24,7 +26,9 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -60,6 +64,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, ROW=row, BLOCK=block,
-        num_warps=4 if block >= 512 else 1,
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, ROW=row, BLOCK=block, PDL=pdl.pdl_enabled(k.device),
+        num_warps=4 if block >= 512 else 1, **pdl.launch_options(k.device),
     )

@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tallyserve.models import pdl
+
 LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a fully masked tile gives exp2(-inf) = 0, not NaN
 MAX_HEAD_DIM = 256
@@ -172,10 +174,13 @@ def _decode_kernel(
     num_splits, num_slots,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CASCADE: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Keys [kv_start, seq_len) of one decode request and KV head, split ``num_splits`` ways. With
     CASCADE, kv_start is the shared prefix length (``_cascade_prefix_kernel`` attends the keys below
-    it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has."""
+    it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has. ``PDL``:
+    a dependent launch (models/pdl.py)."""
+    pdl.enter(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -255,9 +260,11 @@ def _cascade_prefix_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     o_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Merge the splits of one (decode request, query head): weights exp2(lse_s - max lse)."""
+    """Merge the splits of one (decode request, query head): weights exp2(lse_s - max lse). ``PDL``: a
+    dependent launch (models/pdl.py)."""
+    pdl.enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + req)

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from tallyserve.models import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -53,7 +55,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -70,7 +73,8 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -85,9 +89,11 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, eps,
-                               NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                               NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
         # One (token, head) of q or k: RMSNorm over the head (q's or k's weight), rounded to the
         # model dtype as the torch RMSNorm rounds, then the rotary embedding, in place.
+        pdl.enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -133,7 +139,8 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, n, eps,
                                         HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                        num_warps=4 if block <= 4096 else 8)
+                                        PDL=pdl.pdl_enabled(x.device), num_warps=4 if block <= 4096 else 8,
+                                        **pdl.launch_options(x.device))
     return out
 
 
@@ -147,7 +154,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         return
     half = dim // 2
     _rotary_kernel[(tokens, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                    HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+                                    HALF=half, BLOCK=triton.next_power_of_2(half), PDL=pdl.pdl_enabled(x.device),
+                                    num_warps=1, **pdl.launch_options(x.device))
 
 
 def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
@@ -164,7 +172,8 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     half = dim // 2
     _qk_norm_rotary_kernel[(tokens, heads)](qk, q_weight, k_weight, cos, sin, qk.stride(0), qk.stride(1),
                                             cos.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=half,
-                                            BLOCK=triton.next_power_of_2(half), num_warps=1)
+                                            BLOCK=triton.next_power_of_2(half), PDL=pdl.pdl_enabled(qk.device),
+                                            num_warps=1, **pdl.launch_options(qk.device))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tallyserve.distributed import parallel_state
+from tallyserve.models import gemv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -43,6 +44,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
     bias (kept in the model's dtype) is added to the converted product."""
     out_dtype = out_dtype or x.dtype
+    if (x.is_cuda or gemv.INTERPRET) and gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
+        out = gemv.gemv(x, weight, out_dtype)
+        return out if bias is None else out.add_(bias)
     packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's bf16 projections
     if packed is not None and x.dim() == 2 and x.shape[0] > _GEMV_MAX_ROWS:
         out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), packed, None, "none", [], "")
@@ -244,7 +248,11 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias)
-        out = parallel_state.all_reduce(linear(x, self.weight))
+        return self.reduce(linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's product ``x_local W_local^T`` -> the layer's output (all-reduce, then the bias)."""
+        out = parallel_state.all_reduce(partial) if self.tp_size > 1 else partial
         return out if self.bias is None else out + self.bias
 
 
@@ -333,8 +341,12 @@ class GatedMLP(nn.Module):
                         out = part.new_empty((rows, part.shape[1]))
                     out[lo:lo + part.shape[0]] = part
                 return out
+            gate_up = linear(x, self.gate_up_weight)
+            if (gate_up.is_cuda or gemv.INTERPRET) and gemv.usable(gate_up, self.down_proj.weight):
+                # one row on CUDA: the down projection applies SiLU-and-multiply as it loads its input
+                return self.down_proj.reduce(gemv.gemv(gate_up, self.down_proj.weight, silu_mul_input=True))
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
-            return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
+            return self.down_proj(silu_mul(gate_up))
         if self.gate_proj.bias is not None:  # a bfloat16 x (dtype="bfloat16"): biases, SiLU-mul in the model's dtype
             x = x.to(self.gate_proj.bias.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -21,16 +21,18 @@ except ImportError:  # pragma: no cover - older Triton
 
 pytestmark = pytest.mark.skipif(GPUTarget is None, reason="this Triton cannot compile ahead of time")
 
-PTRS = {"q_ptr": "bf16", "o_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "bt_ptr": "i32",
+PTRS = {"cos_ptr": "fp32", "sin_ptr": "fp32", "qw_ptr": "bf16", "kw_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+        "slot_ptr": "i64", "q_ptr": "bf16", "o_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "bt_ptr": "i32",
         "qsl_ptr": "i32", "seq_lens_ptr": "i32", "prefix_len_ptr": "i32", "part_o_ptr": "fp32",
-        "part_lse_ptr": "fp32"}
+        "part_lse_ptr": "fp32", "x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16"}
+FLOATS = ("qk_scale", "eps")
 
 
 def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
     params = list(inspect.signature(fn.fn).parameters)
     unknown = set(constexprs) - set(params)
     assert not unknown, f"not parameters of {fn.fn.__name__}: {unknown}"
-    sig = {p: "constexpr" if p in constexprs else ("*" + PTRS[p] if p in PTRS else "fp32" if p == "qk_scale" else "i32")
+    sig = {p: "constexpr" if p in constexprs else ("*" + PTRS[p] if p in PTRS else "fp32" if p in FLOATS else "i32")
            for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
     try:
@@ -70,3 +72,39 @@ def test_prefill_and_reduce_kernels_compile():
     assert "_prefill_kernel" in _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32,
                                                                SKIP_DECODE=True, **HEADS))
     assert "_reduce_kernel" in _compile(_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), num_warps=1)
+
+
+@pytest.mark.parametrize("silu_mul,even_k", [(False, True), (True, True), (False, False)])
+def test_gemv_kernel_compiles_with_dependent_launch(silu_mul, even_k):
+    from tallyserve.models import pdl
+    from tallyserve.models.gemv import _gemv_kernel
+
+    if not pdl._GDC:
+        pytest.skip("this Triton has no grid dependency control")
+    ptx = _compile(_gemv_kernel, dict(BLOCK_N=8, BLOCK_K=512, EVEN_K=even_k, SILU_MUL=silu_mul, PDL=True))
+    # it may start early (launch_dependents) and waits for the kernel before it before reading x
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    plain = _compile(_gemv_kernel, dict(BLOCK_N=8, BLOCK_K=512, EVEN_K=even_k, SILU_MUL=silu_mul, PDL=False))
+    assert "griddepcontrol" not in plain
+
+
+def test_the_other_decode_kernels_are_dependent_launches():
+    from tallyserve.attention.triton_cache import _write_kv_kernel
+    from tallyserve.attention.triton_kernels import _decode_kernel, _reduce_kernel
+    from tallyserve.models import pdl
+    from tallyserve.models.fused_ops import _add_rms_norm_kernel, _qk_norm_rotary_kernel, _rotary_kernel
+
+    if not pdl._GDC:
+        pytest.skip("this Triton has no grid dependency control")
+    for fn, consts, warps in [
+            (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096), 4),
+            (_rotary_kernel, dict(HALF=64, BLOCK=64), 1),
+            (_qk_norm_rotary_kernel, dict(NUM_Q_HEADS=32, HALF=64, BLOCK=64), 1),
+            (_write_kv_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, BLOCK=1024), 4),
+            (_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), 1),
+            (_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=True, CASCADE=False, **HEADS), 4)]:
+        ptx = _compile(fn, dict(consts, PDL=True), num_warps=warps)
+        # the wait comes before any load: nothing an earlier kernel writes is read before it
+        assert "griddepcontrol.launch_dependents" in ptx, fn.fn.__name__
+        assert 0 <= ptx.find("griddepcontrol.wait") < ptx.find("ld.global"), fn.fn.__name__
+        assert "griddepcontrol" not in _compile(fn, dict(consts, PDL=False), num_warps=warps), fn.fn.__name__

@@ -1,0 +1,132 @@
+"""One-row projections on CUDA: a Triton GEMV for the batch-1 decode step.
+
+A decode step of one sequence is ~130 matrix-vector products that each stream one weight matrix from
+HBM. cuBLAS runs them at 2.5-4.1 TB/s on an H200 (the small ones lose most to ramp-up and tail, and
+some split K and add a reduce kernel); this kernel streams the same weights at 3.1-4.3 TB/s (Llama-3-8B's
+four per-layer shapes, 32 distinct copies so nothing stays in L2; the card reads at 4.58 TB/s). Each
+program owns ``BLOCK_N`` output features and walks K in tiles, accumulating in float32, and stores
+one rounded output: the result is the exact dot product rounded once, like cuBLAS's, with another
+summation order.
+
+Two things cut the gaps between kernels:
+  * ``silu_mul_input``: the MLP's down projection reads ``[gate | up]`` and applies SiLU-and-multiply
+    while loading its input (rounded where ``fused_ops.silu_mul`` rounds), one kernel fewer per layer.
+  * Programmatic dependent launch (Hopper and later): the GEMV is launched as a dependent of the
+    kernel before it, loads its first weight tile (weights never depend on an earlier kernel), and
+    only then waits for that kernel (``gdc_wait``) before reading its input. The kernels that precede
+    a projection (the fused add + RMSNorm and the attention's output kernels) signal early
+    (``gdc_launch_dependents``), so the weight stream starts while they run.
+
+``TALLYSERVE_TRITON_GEMV=0`` turns the kernel off (cuBLAS everywhere); ``TALLYSERVE_PDL=0`` keeps
+it but launches without the dependency overlap. Under ``TRITON_INTERPRET=1`` CPU tensors run it in
+the interpreter (its tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from tallyserve.models import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run the kernel too
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` serves ``x @ weight.T``: one row, a contiguous half-precision weight of x's dtype,
+    on CUDA (or the interpreter), and TALLYSERVE_TRITON_GEMV not 0."""
+    if triton is None or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if not (x.is_cuda or INTERPRET) or weight.dtype != x.dtype or x.dtype not in _DTYPES:
+        return False
+    if not weight.is_contiguous() or os.environ.get("TALLYSERVE_TRITON_GEMV", "1") == "0":
+        return False
+    return True
+
+
+def _config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on an H200 over Llama-3-8B's shapes (bf16, one row):
+    wide outputs (gate/up) take 16 x 256 tiles, long rows (down) 8 x 1024, the rest 8 x 512."""
+    if n >= 16384:
+        block_n, block_k = 16, 256
+    elif k >= 8192 or n <= 4096:
+        block_n, block_k = 8, 1024
+    else:
+        block_n, block_k = 8, 512
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_input(x_ptr, k0, offs_k, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+        kk = k0 + offs_k
+        kmask = kk < K
+        if SILU_MUL:  # x = [gate | up] (2K,): silu(gate) * up, rounded as fused_ops.silu_mul rounds
+            if EVEN_K:
+                g = tl.load(x_ptr + kk).to(tl.float32)
+                u = tl.load(x_ptr + K + kk).to(tl.float32)
+            else:
+                g = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            return (act * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if EVEN_K:
+            return tl.load(x_ptr + kk).to(tl.float32)
+        return tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+        pdl.launch_dependents(PDL)
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        # the first weight tile before the wait: the weights never depend on the kernel before this one
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        pdl.wait(PDL)
+        x = _load_input(x_ptr, 0, offs_k, K, SILU_MUL=SILU_MUL, EVEN_K=EVEN_K)
+        acc = w.to(tl.float32) * x[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
+            x = _load_input(x_ptr, k0, offs_k, K, SILU_MUL=SILU_MUL, EVEN_K=EVEN_K)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+         silu_mul_input: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` for one row x (1, K) and weight (N, K); with ``silu_mul_input`` x is
+    ``[gate | up]`` (1, 2K) and the product is ``silu_mul(x) @ weight.T``. Returns (1, N) in
+    ``out_dtype`` (default x's dtype)."""
+    n, k = weight.shape
+    width = 2 * k if silu_mul_input else k
+    if x.shape != (1, width):
+        raise ValueError(f"gemv needs x of shape (1, {width}) for a ({n}, {k}) weight, got {tuple(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    block_n, block_k, warps = _config(n, k)
+    use_pdl = pdl.pdl_enabled(x.device)
+    launch = {"launch_pdl": True} if use_pdl else {}
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        SILU_MUL=silu_mul_input, PDL=use_pdl, num_warps=warps, **launch)
+    return out
