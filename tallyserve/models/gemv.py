@@ -11,11 +11,11 @@ summation order.
 Two things cut the gaps between kernels:
   * ``silu_mul_input``: the MLP's down projection reads ``[gate | up]`` and applies SiLU-and-multiply
     while loading its input (rounded where ``fused_ops.silu_mul`` rounds), one kernel fewer per layer.
-  * Programmatic dependent launch (Hopper and later): the GEMV is launched as a dependent of the
-    kernel before it, loads its first weight tile (weights never depend on an earlier kernel), and
-    only then waits for that kernel (``gdc_wait``) before reading its input. The kernels that precede
-    a projection (the fused add + RMSNorm and the attention's output kernels) signal early
-    (``gdc_launch_dependents``), so the weight stream starts while they run.
+  * Programmatic dependent launch (Hopper and later, ``models/pdl.py``): the GEMV is launched as a
+    dependent of the kernel before it, loads its first weight tile (weights never depend on an earlier
+    kernel), and only then waits for that kernel before reading its input. The other Triton kernels of
+    the step are dependent launches too and signal the next kernel as they start, so the weight stream
+    starts while the small kernel before the projection still runs.
 
 ``TALLYSERVE_TRITON_GEMV=0`` turns the kernel off (cuBLAS everywhere); ``TALLYSERVE_PDL=0`` keeps
 it but launches without the dependency overlap. Under ``TRITON_INTERPRET=1`` CPU tensors run it in
@@ -129,8 +129,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype]
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = _config(n, k)
     use_pdl = pdl.pdl_enabled(x.device)
-    launch = {"launch_pdl": True} if use_pdl else {}
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        SILU_MUL=silu_mul_input, PDL=use_pdl, num_warps=warps, **launch)
+        SILU_MUL=silu_mul_input, PDL=use_pdl, num_warps=warps, **pdl.launch_options(x.device))
     return out

@@ -6,10 +6,10 @@ runs, once every program of that kernel has signalled (``launch_dependents``) or
 has finished and its writes are visible. The projections of a batch-1 step (``gemv``) use this to
 start streaming their weights while the small kernel before them still runs. The other kernels of a
 decode step (add + RMSNorm, rotary, the KV write, decode attention and its reduce) are dependent
-launches too: they signal and then wait as their first statement (``enter``), so each one is
-already resident when the one before it ends, and the launch gaps of a step's ~340 kernels overlap. Both calls are compiled only where
-``pdl_enabled`` (a constexpr ``PDL`` flag), so the kernels run unchanged elsewhere (older GPUs, the
-interpreter). ``TALLYSERVE_PDL=0`` turns it off.
+launches too: they signal and then wait as their first statement (``enter``), so each one is already
+resident when the one before it ends, and the launch gaps of a step's ~340 kernels overlap. Both
+calls are compiled only where ``pdl_enabled`` (a constexpr ``PDL`` flag), so the kernels run
+unchanged elsewhere (older GPUs, the interpreter). ``TALLYSERVE_PDL=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ SHAPES = [(37, 96), (64, 256), (16392, 64), (40, 2048)]  # (N, K)
 
 WORKER = r'''
 import json, os, tempfile
+import torch
 from tallyserve.models import fused_ops, gemv
 from tallyserve.models.loader import load_model, resolve_model
 from tests.tiny_models import PagedKV, make_tiny_model
