@@ -37,9 +37,11 @@ _by_device: dict[int, bool] = {}
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` use programmatic dependent launch: CUDA compute capability 9.0 or
+    """Whether kernels on ``device`` use programmatic dependent launch: NVIDIA compute capability 9.0 or
     later, a Triton with grid dependency control, and TALLYSERVE_PDL not 0."""
     if not _GDC or device.type != "cuda" or os.environ.get("TALLYSERVE_PDL", "1") == "0":
+        return False
+    if torch.version.hip is not None:  # ROCm reports its own capability numbers and has no griddepcontrol
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _by_device:

@@ -8,6 +8,7 @@ with programmatic dependent launch, is in test_triton_compile_sm90.py and tests/
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.triton_interpreter import interpreter_too_old, run_interpreted
 
@@ -120,3 +121,23 @@ def test_tiny_bf16_model_one_row_steps_go_through_the_kernel(results):
     assert prefill_diff == 0.0  # the 11-token prefill never uses the kernel
     assert diff <= 0.03 * scale and same_tokens, (diff, scale)
 
+
+
+def test_dependent_launch_only_on_nvidia_gpus_and_not_when_switched_off(monkeypatch):
+    from tallyserve.models import pdl
+
+    monkeypatch.setattr(pdl, "_GDC", True)
+    monkeypatch.setattr(pdl, "_by_device", {0: True})  # as if device 0 were a Hopper GPU
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("TALLYSERVE_PDL", raising=False)
+    cuda0 = torch.device("cuda", 0)
+    assert pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {"launch_pdl": True}
+    assert not pdl.pdl_enabled(torch.device("cpu")) and pdl.launch_options(torch.device("cpu")) == {}
+    monkeypatch.setenv("TALLYSERVE_PDL", "0")
+    assert not pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {}
+    monkeypatch.delenv("TALLYSERVE_PDL")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not pdl.pdl_enabled(cuda0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(pdl, "_by_device", {0: False})  # an older GPU
+    assert not pdl.pdl_enabled(cuda0)
