@@ -172,6 +172,14 @@ def _plan_for(meta: AttentionMetadata, has_fresh_kv: bool) -> _KernelPlan:
     return _last_plan[2]
 
 
+def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernel takes it: each row's heads contiguous, rows may be strided (q sliced out of the fused
+    q/k/v output needs no copy)."""
+    if q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.stride(0) >= q.shape[1] * q.shape[2]:
+        return q
+    return q.contiguous()
+
+
 def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                            kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The compiled path (float32): a request whose whole context is this chunk attends its own fresh
@@ -181,8 +189,8 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     path. Padding rows stay zero."""
     plan = _plan_for(meta, k is not None)
     if plan.all_paged:  # decode and short chunks only: the kernel's output is the answer (padding rows zero)
-        return torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), kv_cache, plan.tables, plan.qsl, plan.lens,
-                                                        scale)
+        return torch.ops.tallyserve_cpu.paged_attention(_heads_contiguous(q), kv_cache, plan.tables, plan.qsl,
+                                                        plan.lens, scale)
     out = torch.empty_like(q)
     out[meta.num_tokens:] = 0  # padding rows; every request's rows are written below
     if (plan.fresh or plan.long) and k is not None and kv_cache.dtype != q.dtype:

@@ -150,3 +150,32 @@ def test_one_or_two_decoding_sequences(hq, hkv, reqs):
         check(reqs, hq, hkv, 32, block_size=4, seed=hq * 5 + len(reqs))
     finally:
         torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32), (4, 4, 64)])
+def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq, hkv, d):
+    """q sliced out of the fused q/k/v output (strided rows) gives the same output as a contiguous copy, for
+    decode rows (the one-row kernel at head_dim 64) and multi-row items alike; rows outside every request
+    come back zero, although the output is not zero-filled first."""
+    if path != "kernel":
+        pytest.skip("the kernel's own contract")
+    reqs = [(0, 7), (5, 1), (30, 1), (9, 12), (16, 1)]
+    q, k, v, cache, meta, _, _ = make_case(reqs, hq, hkv, d, 4, seed=d + hq, num_padding=3)
+    cache.copy_(torch.where(cache.isnan(), torch.zeros_like(cache), cache))
+    torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, meta.slot_mapping)  # this step's rows, as the backend does
+    rows = q.shape[0]
+    wide = torch.full((rows, (hq + 2 * hkv) * d), float("nan"))
+    wide[:, : hq * d] = q.reshape(rows, hq * d)
+    strided = wide[:, : hq * d].view(rows, hq, d)
+    assert not strided.is_contiguous()
+    tables = meta.block_tables.to(torch.int32)
+    qsl = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+    lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    op = torch.ops.tallyserve_cpu.paged_attention
+    for _ in range(3):  # fresh allocations: no row may keep what the allocator handed over
+        want = op(q.contiguous(), cache, tables, qsl, lens, d ** -0.5)
+        got = op(strided, cache, tables, qsl, lens, d ** -0.5)
+        assert torch.equal(got, want)
+        assert (got[meta.num_tokens:] == 0).all() and not got.isnan().any()
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        op(q.transpose(1, 2).contiguous().transpose(1, 2), cache, tables, qsl, lens, 0.1)

@@ -1,6 +1,6 @@
 // tallyserve CPU paged attention: attention straight from the paged KV cache, no gathered copies.
 //
-// q: (T, Hq, D) float32; kv_cache: (2, num_blocks, block_size, Hkv, D) float32 or bfloat16, both contiguous;
+// q: (T, Hq, D) float32 with contiguous heads (rows may be strided: a view into the fused q/k/v); kv_cache: (2, num_blocks, block_size, Hkv, D) float32 or bfloat16, both contiguous;
 // block_tables: (R, max_blocks) int32; query_start_loc: (R + 1) int64; seq_lens: (R) int64.
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
@@ -211,6 +211,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
                   const int64_t* qsl, const int64_t* sl, const int32_t* bt, int64_t MB, int64_t NB, int64_t BS,
                   int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale) {
   const float* Q = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);  // q may be a view of the fused q/k/v rows
   const KvT* V = K + NB * BS * Hkv * D;
   float* O = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -228,7 +229,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
         const int32_t* blocks = bt + w.req * MB;
         const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
         const int64_t nrow = w.row_hi - w.row_lo;
-        const float* q0 = Q + (qsl[w.req] + w.row_lo) * Hq * D;
+        const float* q0 = Q + (qsl[w.req] + w.row_lo) * q_row;
         float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
         scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
         row_off.resize(static_cast<size_t>(nkeys));
@@ -247,13 +248,15 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
           for (int64_t i = 0; i < nrow; ++i) {
             if (j > len - rows + w.row_lo + i) continue;
             for (int64_t h = w.head_lo; h < w.head_hi; ++h)
-              scores[(i * Hq + h) * nkeys + j] = dot(q0 + (i * Hq + h) * D, kr + (h / G) * D, D) * sc;
+              scores[(i * Hq + h) * nkeys + j] = dot(q0 + i * q_row + h * D, kr + (h / G) * D, D) * sc;
           }
         }
         for (int64_t i = 0; i < nrow; ++i) {
           const int64_t n = len - rows + w.row_lo + i + 1;
           for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
         }
+        for (int64_t i = 0; i < nrow; ++i)  // the output is not zero-filled: this item's part, before summing
+          std::memset(o0 + (i * Hq + w.head_lo) * D, 0, sizeof(float) * (w.head_hi - w.head_lo) * D);
         for (int64_t j = 0; j < nkeys; ++j) {
           const KvT* vr = V + row_off[j];
           for (int64_t i = 0; i < nrow; ++i) {
@@ -269,7 +272,9 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous float32 (T, Hq, D)");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  q.stride(0) >= q.size(1) * q.size(2),
+              "q: float32 (T, Hq, D) with contiguous heads (rows may be strided)");
   TORCH_CHECK(kv_cache.dim() == 5 && (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16) &&
                   kv_cache.is_contiguous(),
               "kv_cache: contiguous float32 or bfloat16 (2, blocks, block_size, Hkv, D)");
@@ -287,6 +292,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] >= 0 && qsl[0] <= T && qsl[R] <= T, "query_start_loc outside q's rows");
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = qsl[r + 1] - qsl[r];
@@ -311,7 +317,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   // thread idle while the other finished the long ones.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  at::Tensor out = at::zeros_like(q);
+  // Every row of every request is written by its items (the one-row path stores, the general path zeroes its
+  // part first); only rows outside all requests are zeroed here.
+  at::Tensor out = at::empty({T, Hq, D}, q.options());
+  if (qsl[0] > 0) out.narrow(0, 0, qsl[0]).zero_();
+  if (qsl[R] < T) out.narrow(0, qsl[R], T - qsl[R]).zero_();
   if (kv_cache.scalar_type() == at::kFloat)
     attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale);
   else
