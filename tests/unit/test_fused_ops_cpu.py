@@ -281,3 +281,28 @@ def test_gemv_bf16_equals_float32_sums_of_bf16_products_rounded_once(rows, n, k)
     assert out.dtype == torch.float32 and torch.equal(out, got.float() + bias)
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
         torch.ops.tallyserve_cpu.gemv_bf16(torch.zeros(5, k, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_rounds_like_torch_and_zeroes_non_finite_values(dim, dtype):
+    """Rows of 64 and of 40 values (a partial vector at the end) into a float32 or bfloat16 cache: the stored
+    bits equal torch's conversion (round to nearest even; ties, subnormals, the largest finite values), and
+    NaN / +-inf become 0 and are counted, padding rows (slot -1) included in neither."""
+    g = torch.Generator().manual_seed(dim)
+    cache = torch.full((2, 8, 4, 2, dim), 7.0, dtype=dtype)
+    k = torch.randn(6, 2, dim, generator=g) * 3
+    v = torch.randn(6, 2, dim, generator=g) * 3
+    specials = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 1e-40, -3e-39,
+                             3.3895e38, torch.finfo(torch.float32).max, 0.0, -0.0])
+    k[0, 0, : specials.numel()] = specials
+    v[3, 1, -specials.numel():] = specials
+    k[1, 1, dim - 1], v[2, 0, 0], v[4, 1, 17] = float("nan"), float("inf"), float("-inf")
+    k[5, 0, 3] = float("nan")  # in a padding row: neither written nor counted
+    slots = torch.tensor([3, 30, 12, 0, 21, -1])
+    assert torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, slots) == 3
+    want = torch.full_like(cache, 7.0)
+    write_kv_cache(torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0),
+                   torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), want, slots)
+    assert torch.equal(cache.view(torch.int16) if dtype == torch.bfloat16 else cache.view(torch.int32),
+                       want.view(torch.int16) if dtype == torch.bfloat16 else want.view(torch.int32))
