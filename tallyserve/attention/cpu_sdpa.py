@@ -175,7 +175,8 @@ def _plan_for(meta: AttentionMetadata, has_fresh_kv: bool) -> _KernelPlan:
 def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
     """q as the kernel takes it: each row's heads contiguous, rows may be strided (q sliced out of the fused
     q/k/v output needs no copy)."""
-    if q.stride(2) == 1 and q.stride(1) == q.shape[2] and q.stride(0) >= q.shape[1] * q.shape[2]:
+    rows, heads, dim = q.shape
+    if q.stride(2) == 1 and (heads <= 1 or q.stride(1) == dim) and (rows <= 1 or q.stride(0) >= heads * dim):
         return q
     return q.contiguous()
 

@@ -179,3 +179,19 @@ def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq,
         assert (got[meta.num_tokens:] == 0).all() and not got.isnan().any()
     with pytest.raises(RuntimeError, match="contiguous heads"):
         op(q.transpose(1, 2).contiguous().transpose(1, 2), cache, tables, qsl, lens, 0.1)
+
+
+def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
+    """A (1, Hq, D) q counts as contiguous in PyTorch whatever its row stride (size-1 dimension): the kernel
+    takes it as it is."""
+    if path != "kernel":
+        pytest.skip("the kernel's own contract")
+    q, k, v, cache, meta, _, _ = make_case([(20, 1)], 9, 3, 64, 4, seed=3)
+    cache.copy_(torch.where(cache.isnan(), torch.zeros_like(cache), cache))
+    torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, meta.slot_mapping)
+    odd = q.reshape(-1).clone().as_strided((1, 9, 64), (1, 64, 1))
+    assert odd.is_contiguous() and odd.stride(0) == 1
+    args = (cache, meta.block_tables.to(torch.int32), torch.tensor(meta.query_start_loc_cpu),
+            torch.tensor(meta.seq_lens_cpu), 0.125)
+    assert torch.equal(torch.ops.tallyserve_cpu.paged_attention(cpu_sdpa._heads_contiguous(odd), *args),
+                       torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), *args))

@@ -1,6 +1,7 @@
 // tallyserve CPU paged attention: attention straight from the paged KV cache, no gathered copies.
 //
-// q: (T, Hq, D) float32 with contiguous heads (rows may be strided: a view into the fused q/k/v); kv_cache: (2, num_blocks, block_size, Hkv, D) float32 or bfloat16, both contiguous;
+// q: (T, Hq, D) float32 with contiguous heads (rows may be strided: a view into the fused q/k/v);
+// kv_cache: (2, num_blocks, block_size, Hkv, D) float32 or bfloat16, contiguous;
 // block_tables: (R, max_blocks) int32; query_start_loc: (R + 1) int64; seq_lens: (R) int64.
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
@@ -272,8 +273,9 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
-                  q.stride(0) >= q.size(1) * q.size(2),
+  // (a dimension of size 1 may carry any stride, as in PyTorch's own contiguity test)
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  (q.size(1) <= 1 || q.stride(1) == q.size(2)) && (q.size(0) <= 1 || q.stride(0) >= q.size(1) * q.size(2)),
               "q: float32 (T, Hq, D) with contiguous heads (rows may be strided)");
   TORCH_CHECK(kv_cache.dim() == 5 && (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16) &&
                   kv_cache.is_contiguous(),
