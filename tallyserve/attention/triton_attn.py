@@ -175,8 +175,8 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
         q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale,
         *strides, num_q_heads, splits, num_slots,
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, PDL=pdl.pdl_enabled(q.device),
-        num_warps=config.decode_num_warps, **pdl.launch_options(q.device),
+        BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, num_warps=config.decode_num_warps,
+        **pdl.launch_options(q.device),
         **_stages(config.decode_num_stages),
     )
     if cascade:
@@ -192,7 +192,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
         _reduce_kernel[(num_reqs, num_q_heads)](
             out, part_o, part_lse, meta.query_start_loc, strides[2], strides[3], num_q_heads, num_slots,
             HEAD_DIM=q.shape[2], D_PAD=d_pad, S_PAD=triton.next_power_of_2(max(num_slots, config.max_splits)),
-            PDL=pdl.pdl_enabled(q.device), num_warps=1, **pdl.launch_options(q.device),
+            num_warps=1, **pdl.launch_options(q.device),
         )
 
 

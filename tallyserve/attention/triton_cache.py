@@ -64,6 +64,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, ROW=row, BLOCK=block, PDL=pdl.pdl_enabled(k.device),
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, ROW=row, BLOCK=block,
         num_warps=4 if block >= 512 else 1, **pdl.launch_options(k.device),
     )

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the to
     triton = None
 
 
-_INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it at import too
+_INTERPRET = pdl.INTERPRET
 
 
 def _interpret() -> bool:
@@ -139,8 +139,7 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     block = triton.next_power_of_2(n)
     _add_rms_norm_kernel[(x.shape[0],)](x, residual if residual is not None else x, weight, out, n, eps,
                                         HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                        PDL=pdl.pdl_enabled(x.device), num_warps=4 if block <= 4096 else 8,
-                                        **pdl.launch_options(x.device))
+                                        num_warps=4 if block <= 4096 else 8, **pdl.launch_options(x.device))
     return out
 
 
@@ -154,8 +153,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         return
     half = dim // 2
     _rotary_kernel[(tokens, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                    HALF=half, BLOCK=triton.next_power_of_2(half), PDL=pdl.pdl_enabled(x.device),
-                                    num_warps=1, **pdl.launch_options(x.device))
+                                    HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+                                    **pdl.launch_options(x.device))
 
 
 def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
@@ -172,8 +171,8 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     half = dim // 2
     _qk_norm_rotary_kernel[(tokens, heads)](qk, q_weight, k_weight, cos, sin, qk.stride(0), qk.stride(1),
                                             cos.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=half,
-                                            BLOCK=triton.next_power_of_2(half), PDL=pdl.pdl_enabled(qk.device),
-                                            num_warps=1, **pdl.launch_options(qk.device))
+                                            BLOCK=triton.next_power_of_2(half), num_warps=1,
+                                            **pdl.launch_options(qk.device))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

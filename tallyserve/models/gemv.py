@@ -37,16 +37,15 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run the kernel too
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``gemv`` serves ``x @ weight.T``: one row, a contiguous half-precision weight of x's dtype,
-    on CUDA (or the interpreter), and TALLYSERVE_TRITON_GEMV not 0."""
-    if triton is None or x.dim() != 2 or x.shape[0] != 1:
-        return False
-    if not (x.is_cuda or INTERPRET) or weight.dtype != x.dtype or x.dtype not in _DTYPES:
+    on CUDA (or under the interpreter), and TALLYSERVE_TRITON_GEMV not 0."""
+    if not (x.is_cuda or pdl.INTERPRET) or triton is None or x.dim() != 2 or x.shape[0] != 1:
+        return False  # (the device first: every CPU projection asks)
+    if weight.dtype != x.dtype or x.dtype not in _DTYPES:
         return False
     if not weight.is_contiguous() or os.environ.get("TALLYSERVE_TRITON_GEMV", "1") == "0":
         return False
@@ -128,8 +127,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype]
     x = x.contiguous()
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = _config(n, k)
-    use_pdl = pdl.pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        SILU_MUL=silu_mul_input, PDL=use_pdl, num_warps=warps, **pdl.launch_options(x.device))
+        SILU_MUL=silu_mul_input, num_warps=warps, **pdl.launch_options(x.device))
     return out

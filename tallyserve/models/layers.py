@@ -44,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
     bias (kept in the model's dtype) is added to the converted product."""
     out_dtype = out_dtype or x.dtype
-    if (x.is_cuda or gemv.INTERPRET) and gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
+    if gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
         out = gemv.gemv(x, weight, out_dtype)
         return out if bias is None else out.add_(bias)
     packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's bf16 projections
@@ -342,7 +342,7 @@ class GatedMLP(nn.Module):
                     out[lo:lo + part.shape[0]] = part
                 return out
             gate_up = linear(x, self.gate_up_weight)
-            if (gate_up.is_cuda or gemv.INTERPRET) and gemv.usable(gate_up, self.down_proj.weight):
+            if gemv.usable(gate_up, self.down_proj.weight):
                 # one row on CUDA: the down projection applies SiLU-and-multiply as it loads its input
                 return self.down_proj.reduce(gemv.gemv(gate_up, self.down_proj.weight, silu_mul_input=True))
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it

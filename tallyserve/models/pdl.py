@@ -29,9 +29,10 @@ try:
 except ImportError:  # pragma: no cover - no triton, or one without the CUDA extras
     _tl_cuda = None
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's interpreter (TRITON_INTERPRET=1, read when kernels are decorated): CPU tensors run the Triton kernels
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 # grid dependency control in this Triton (not in the interpreter)
-_GDC = (triton is not None and _tl_cuda is not None and not _INTERPRET and hasattr(_tl_cuda, "gdc_wait")
+_GDC = (triton is not None and _tl_cuda is not None and not INTERPRET and hasattr(_tl_cuda, "gdc_wait")
         and hasattr(_tl_cuda, "gdc_launch_dependents"))
 _by_device: dict[int, bool] = {}
 
@@ -50,8 +51,9 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments of a Triton launch: ``launch_pdl`` where ``pdl_enabled``."""
-    return {"launch_pdl": True} if pdl_enabled(device) else {}
+    """Keyword arguments of a launch of a kernel with a ``PDL`` constexpr: the flag, and ``launch_pdl``
+    where ``pdl_enabled`` (one lookup per launch)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
 
 
 if triton is not None:

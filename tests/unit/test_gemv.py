@@ -131,10 +131,10 @@ def test_dependent_launch_only_on_nvidia_gpus_and_not_when_switched_off(monkeypa
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.delenv("TALLYSERVE_PDL", raising=False)
     cuda0 = torch.device("cuda", 0)
-    assert pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {"launch_pdl": True}
-    assert not pdl.pdl_enabled(torch.device("cpu")) and pdl.launch_options(torch.device("cpu")) == {}
+    assert pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {"PDL": True, "launch_pdl": True}
+    assert not pdl.pdl_enabled(torch.device("cpu")) and pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("TALLYSERVE_PDL", "0")
-    assert not pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {}
+    assert not pdl.pdl_enabled(cuda0) and pdl.launch_options(cuda0) == {"PDL": False}
     monkeypatch.delenv("TALLYSERVE_PDL")
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert not pdl.pdl_enabled(cuda0)
