@@ -195,3 +195,37 @@ def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
             torch.tensor(meta.seq_lens_cpu), 0.125)
     assert torch.equal(torch.ops.tallyserve_cpu.paged_attention(cpu_sdpa._heads_contiguous(odd), *args),
                        torch.ops.tallyserve_cpu.paged_attention(q.contiguous(), *args))
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("reqs,block_size", [
+    ([(0, 40)], 16),  # a whole prompt: items of 16 rows, the last one partial
+    ([(0, 300), (0, 1), (17, 33)], 16),  # more keys than one 256-key piece; a decode row; a chunk over a prefix
+    ([(251, 9), (5, 1), (0, 2)], 4),  # 9 rows whose keys cross the piece boundary; two rows (speculative)
+    ([(0, 17), (3, 21)], 1),  # key counts that are not multiples of 8, one-slot blocks
+])
+def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(path, hq, hkv, reqs, block_size, monkeypatch):
+    """With the kernel's AVX-512 flash path (head_dim 64), fresh prompts and long chunks whose keys fit
+    FAST_ROWS_MAX_KEYS attend in place in one kernel call (no gathered copies, no SDPA): the dense reference's
+    answer, float32 and bfloat16 caches."""
+    if path != "kernel" or not torch.ops.tallyserve_cpu.has_fast_rows():
+        pytest.skip("the kernel's flash path for chunks")
+    called = []
+    monkeypatch.setattr(cpu_sdpa, "_causal_flash", lambda *a: called.append("sdpa"))
+    monkeypatch.setattr(cpu_sdpa, "_attend_prefix_and_chunk", lambda *a: called.append("prefix"))
+    check(reqs, hq, hkv, 64, block_size, seed=hq + block_size, num_padding=2)
+    assert cpu_sdpa._last_plan[2].all_paged and not called
+    check(reqs, hq, hkv, 64, block_size, dtype=torch.bfloat16, atol=2e-2, seed=hq + 2 * block_size)
+
+
+@pytest.mark.parametrize("reqs", [[(0, 40), (3, 1)], [(30, 40), (5, 1)], [(0, 24)]])
+def test_chunks_past_the_key_limit_take_the_fused_sdpa(path, reqs, monkeypatch):
+    """Chunks whose last row sees more than FAST_ROWS_MAX_KEYS keys (long prompts, where PyTorch's SDPA is
+    faster) keep the fused SDPA passes: a fresh prompt, and a chunk over a cached prefix."""
+    if path != "kernel":
+        pytest.skip("the kernel's routing")
+    monkeypatch.setattr(cpu_sdpa, "FAST_ROWS_MAX_KEYS", 20)
+    cpu_sdpa._last_plan[:] = [None, None, None]
+    check(reqs, 9, 3, 64, 16, seed=len(reqs), num_padding=1)
+    plan = cpu_sdpa._last_plan[2]
+    assert len(plan.fresh) + len(plan.long) == 1 and not plan.all_paged

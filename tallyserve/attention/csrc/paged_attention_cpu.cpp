@@ -6,11 +6,13 @@
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
 //
-// One work item is (request, a run of up to 8 query rows), all heads: each position's K row (every KV head,
-// contiguous) is read once for all query heads of the item (with fewer items than threads, an item is split
-// by KV head group). Scores are kept whole per row (softmax: max,
-// exp, sum in float32, like the reference), then the weighted V rows are summed. Items, largest first, are
-// dealt round-robin to ATen's threads.
+// One work item is (request, a run of up to 16 query rows), all heads (with fewer items than threads, an item is
+// split by KV head group). Items, largest first, are dealt round-robin to ATen's threads. With AVX-512 and
+// head_dim 64, a one-row item (decode) keeps its scores whole (softmax: max, exp, sum in float32, like the
+// reference) and reads each K/V row once for all query heads of its group (one_row_d64); a multi-row item (a
+// chunk, speculative rows) runs flash-style with its rows in the vector lanes (rows_d64). Otherwise a generic
+// loop: each position's K row (every KV head, contiguous) read once for all query heads of the item, scores kept
+// whole per row, then the weighted V rows summed.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +32,8 @@
 
 namespace {
 
-constexpr int64_t kRowsPerItem = 8;
+constexpr int64_t kRowsPerItem = 16;
+constexpr int64_t kKeysPerPiece = 256;  // rows_d64: keys per piece of float32 scratch
 
 // A cached K/V value as float32: the cache holds float32, or bfloat16 bits (dtype="bfloat16" on the CPU).
 inline float kv_value(const float* p, int64_t i) { return p[i]; }
@@ -195,11 +198,110 @@ void one_row_d64(const float* q, float* o, const KvT* K, const KvT* V, const int
   }
   (void)Hq;
 }
+
+// Up to 16 query rows of one request (a chunk, or speculative rows), head_dim 64, query heads [h_lo, h_hi) in
+// groups of G sharing a KV head: flash-style (online softmax) with the rows in the 16 lanes, so scores, the
+// running max / sum and the output need no horizontal sums. The keys are taken in pieces of kKeysPerPiece:
+// a piece's keys and values of one KV group are copied as float32 into scratch (kc, vc: rows of 64, padded to
+// 8 keys; they stay in L2 while every query head of the group walks them). Per query head, q is transposed
+// into qt (64 x 16 per head), and each block of 8 keys costs 64 loads and 512 FMAs with broadcast key values
+// for the scores, then 64 x 8 FMAs with broadcast values for the output (ot, 64 x 16 per head). Row i
+// (position first + i) sees keys 0..first + i. Rows past nrow repeat the last row and are not stored.
+// Float32 throughout, like the one-row path (the two agree to rounding, not bit for bit).
+template <typename KvT>
+void rows_d64(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT* K, const KvT* V,
+              const int64_t* row_off, int64_t nrow, int64_t first, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
+              float* kc, float* vc, float* qt, float* ot, float* stats) {
+  const int64_t nkeys = first + nrow;
+  const __m512i pos = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int32_t>(first)),
+      _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_epi32(static_cast<int32_t>(nrow - 1))));
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 scale16 = _mm512_set1_ps(sc);
+  for (int64_t g = h_lo / G; g < h_hi / G; ++g) {
+    for (int64_t a = 0; a < G; ++a) {  // q transposed, output and running max / sum cleared
+      float* qa = qt + a * 1024;
+      for (int64_t i = 0; i < 16; ++i) {
+        const float* qr = q + std::min(i, nrow - 1) * q_row + (g * G + a) * 64;
+        for (int64_t d = 0; d < 64; ++d) qa[d * 16 + i] = qr[d];
+      }
+      std::memset(ot + a * 1024, 0, sizeof(float) * 1024);
+      _mm512_storeu_ps(stats + a * 32, neg_inf);
+      _mm512_storeu_ps(stats + a * 32 + 16, _mm512_setzero_ps());
+    }
+    for (int64_t c0 = 0; c0 < nkeys; c0 += kKeysPerPiece) {
+      const int64_t cn = std::min(kKeysPerPiece, nkeys - c0), padded = (cn + 7) / 8 * 8;
+      for (int64_t j = 0; j < cn; ++j) {
+        const KvT* kr = K + row_off[c0 + j] + g * 64;
+        const KvT* vr = V + row_off[c0 + j] + g * 64;
+        for (int c = 0; c < 4; ++c) {
+          _mm512_storeu_ps(kc + j * 64 + c * 16, load16(kr + c * 16));
+          _mm512_storeu_ps(vc + j * 64 + c * 16, load16(vr + c * 16));
+        }
+      }
+      std::memset(kc + cn * 64, 0, sizeof(float) * (padded - cn) * 64);
+      std::memset(vc + cn * 64, 0, sizeof(float) * (padded - cn) * 64);
+      for (int64_t a = 0; a < G; ++a) {
+        const float* qa = qt + a * 1024;
+        float* oa = ot + a * 1024;
+        __m512 m = _mm512_loadu_ps(stats + a * 32), l = _mm512_loadu_ps(stats + a * 32 + 16);
+        for (int64_t jb = 0; jb < padded; jb += 8) {
+          __m512 s[8];
+          for (int u = 0; u < 8; ++u) s[u] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < 64; ++d) {
+            const __m512 qd = _mm512_loadu_ps(qa + d * 16);
+            const float* kd = kc + jb * 64 + d;
+            for (int u = 0; u < 8; ++u) s[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kd[u * 64]), s[u]);
+          }
+          __mmask16 valid[8];
+          __m512 top = m;
+          for (int u = 0; u < 8; ++u) {  // key c0 + jb + u: valid in the lanes whose position is at or past it
+            valid[u] = _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(c0 + jb + u)),
+                                             _MM_CMPINT_NLT);
+            s[u] = _mm512_mask_blend_ps(valid[u], neg_inf, _mm512_mul_ps(s[u], scale16));
+            top = _mm512_max_ps(top, s[u]);
+          }
+          // lanes with no key yet (m = -inf) start from zero; key 0 is valid in every lane, so top is finite
+          const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ),
+                                                  tallyserve_cpu_math::exp16(_mm512_sub_ps(m, top)));
+          m = top;
+          __m512 p[8];
+          l = _mm512_mul_ps(l, corr);
+          for (int u = 0; u < 8; ++u) {
+            p[u] = _mm512_maskz_mov_ps(valid[u], tallyserve_cpu_math::exp16(_mm512_sub_ps(s[u], top)));
+            l = _mm512_add_ps(l, p[u]);
+          }
+          for (int64_t d = 0; d < 64; ++d) {
+            const float* vd = vc + jb * 64 + d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(oa + d * 16), corr);
+            for (int u = 0; u < 8; ++u) acc = _mm512_fmadd_ps(p[u], _mm512_set1_ps(vd[u * 64]), acc);
+            _mm512_storeu_ps(oa + d * 16, acc);
+          }
+        }
+        _mm512_storeu_ps(stats + a * 32, m);
+        _mm512_storeu_ps(stats + a * 32 + 16, l);
+      }
+    }
+    for (int64_t a = 0; a < G; ++a) {  // divide by the sums, rows back out of the lanes
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(stats + a * 32 + 16));
+      float* oa = ot + a * 1024;
+      for (int64_t d = 0; d < 64; ++d) _mm512_storeu_ps(oa + d * 16, _mm512_mul_ps(_mm512_loadu_ps(oa + d * 16), inv));
+      for (int64_t i = 0; i < nrow; ++i) {
+        float* orow = o + i * o_row + (g * G + a) * 64;
+        for (int64_t d = 0; d < 64; ++d) orow[d] = oa[d * 16 + i];
+      }
+    }
+  }
+}
 #else
 constexpr bool kHaveRowKernel = false;
 template <typename KvT>
 void one_row_d64(const float*, float*, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                  int64_t, float, float*) {}
+template <typename KvT>
+void rows_d64(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t,
+              int64_t, int64_t, float, float*, float*, float*, float*, float*) {}
 #endif
 
 struct Item {
@@ -222,6 +324,9 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
+    // rows_d64's scratch: a piece of float32 keys and values, per query head of a group q transposed, the
+    // output, the running max and sum
+    std::vector<float> kc(kKeysPerPiece * 64), vc(kKeysPerPiece * 64), qt, ot, stats;
     std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t it = lane; it < n_items; it += lanes) {
@@ -232,16 +337,23 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
         const int64_t nrow = w.row_hi - w.row_lo;
         const float* q0 = Q + (qsl[w.req] + w.row_lo) * q_row;
         float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
-        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
         row_off.resize(static_cast<size_t>(nkeys));
         for (int64_t b = 0, j = 0; j < nkeys; ++b) {
           const int64_t base = static_cast<int64_t>(blocks[b]) * BS * row_stride;
           for (int64_t r = 0; r < BS && j < nkeys; ++r, ++j) row_off[j] = base + r * row_stride;
         }
-        if (kHaveRowKernel && nrow == 1 && D == 64 && G <= 4) {
+        if (kHaveRowKernel && D == 64 && G <= 4 && nrow == 1) {
+          if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
           one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
           continue;
         }
+        if (kHaveRowKernel && D == 64) {
+          if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
+          rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
+                   sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+          continue;
+        }
+        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
         // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
         // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
         for (int64_t j = 0; j < nkeys; ++j) {
@@ -334,9 +446,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 
 }  // namespace
 
+// Whether this build has the AVX-512 paths for head_dim 64 (one_row_d64, rows_d64); without them multi-row items
+// take a slow generic loop, and the Python side sends long chunks to PyTorch's SDPA instead.
+bool has_fast_rows() { return kHaveRowKernel; }
+
 TORCH_LIBRARY(tallyserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("has_fast_rows() -> bool", &has_fast_rows);
 }
 
 TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
