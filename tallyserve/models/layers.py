@@ -78,7 +78,12 @@ def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
 
 
 _GEMV_MAX_ROWS = 4
-CPU_MLP_CHUNK_ROWS = 1024  # GatedMLP on the CPU: rows per piece of a long chunk
+# GatedMLP on the CPU: rows per piece of a long chunk, float32 and bfloat16 weights. oneDNN's bfloat16 kernels
+# change at 2,048 rows: the down projection (1,536 -> 576) ran 1.0 TFLOP/s at 1,024 rows and 2.1 at 2,048, so
+# the bundled model's MLP over 4,096 rows took 18.9 ms in pieces of 1,024 and 13.8 in pieces of 2,048. Float32
+# is faster in pieces of 1,024 (8,192 rows: 163-173 ms against 206-225).
+CPU_MLP_CHUNK_ROWS = 1024
+CPU_MLP_CHUNK_ROWS_BF16 = 2048
 _gemv_ok: list[bool] = []
 
 
@@ -330,13 +335,14 @@ class GatedMLP(nn.Module):
             from tallyserve.models.fused_ops import silu_mul
 
             rows = x.shape[0]
-            if x.device.type == "cpu" and self.down_proj.tp_size == 1 and rows > CPU_MLP_CHUNK_ROWS:
+            piece = CPU_MLP_CHUNK_ROWS_BF16 if self.gate_up_weight.dtype == torch.bfloat16 else CPU_MLP_CHUNK_ROWS
+            if x.device.type == "cpu" and self.down_proj.tp_size == 1 and rows > piece:
                 # On the CPU a long chunk goes through in pieces of rows, so each piece's (rows, 2 * intermediate)
                 # activation stays in cache between the three steps: 8192 rows of the bundled model's MLP took
                 # 164 ms whole and 120 ms in pieces (float32; bfloat16 40 -> 20 ms).
                 out = None
-                for lo in range(0, rows, CPU_MLP_CHUNK_ROWS):
-                    part = self.down_proj(silu_mul(linear(x[lo:lo + CPU_MLP_CHUNK_ROWS], self.gate_up_weight)))
+                for lo in range(0, rows, piece):
+                    part = self.down_proj(silu_mul(linear(x[lo:lo + piece], self.gate_up_weight)))
                     if out is None:
                         out = part.new_empty((rows, part.shape[1]))
                     out[lo:lo + part.shape[0]] = part

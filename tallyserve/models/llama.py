@@ -191,7 +191,12 @@ class LlamaAttention(nn.Module):
         k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, hq * d))
+        o = self.o_proj
+        if self.act_dtype is not None and o.tp_size == 1 and o.bias is None:
+            # dtype="bfloat16" on the CPU: the product stays in bfloat16 (its exact value) and the next fused
+            # add + RMSNorm adds it to the float32 residual, one conversion fewer per layer
+            return linear(out.reshape(t, hq * d), o.weight, out_dtype=o.weight.dtype)
+        return o(out.reshape(t, hq * d))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -143,8 +143,8 @@ def test_fused_model_path_matches_plain_path_and_transformers(tmp_path, arch):
 
 @pytest.mark.parametrize("matmul_dtype", [None, torch.bfloat16])
 def test_long_chunks_go_through_the_mlp_in_pieces_with_the_same_result(tmp_path, monkeypatch, matmul_dtype):
-    """GatedMLP on the CPU splits a chunk longer than CPU_MLP_CHUNK_ROWS into pieces of rows (float32 and the
-    bf16 projections): same logits as the whole chunk, and the pieces really ran."""
+    """GatedMLP on the CPU splits a chunk longer than CPU_MLP_CHUNK_ROWS (float32) or CPU_MLP_CHUNK_ROWS_BF16 (the
+    bf16 projections) into pieces of rows: same logits as the whole chunk, and the pieces of its own size ran."""
     import tallyserve.models.layers as layers
 
     model_dir = make_tiny_model(str(tmp_path), "llama")
@@ -162,7 +162,8 @@ def test_long_chunks_go_through_the_mlp_in_pieces_with_the_same_result(tmp_path,
     whole = run()
     calls = []
     silu_mul = fused_ops.silu_mul
-    monkeypatch.setattr(layers, "CPU_MLP_CHUNK_ROWS", 8)
+    monkeypatch.setattr(layers, "CPU_MLP_CHUNK_ROWS", 8 if matmul_dtype is None else 1000)
+    monkeypatch.setattr(layers, "CPU_MLP_CHUNK_ROWS_BF16", 1000 if matmul_dtype is None else 8)  # the other is unused
     monkeypatch.setattr(fused_ops, "silu_mul", lambda x: calls.append(x.shape[0]) or silu_mul(x))
     pieces = run()
     assert calls and max(calls) == 8 and sum(calls) == 2 * (37 + 9)  # 2 layers, 46 rows each, in pieces of 8
