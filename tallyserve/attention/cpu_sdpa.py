@@ -183,7 +183,7 @@ def _plan_for(meta: AttentionMetadata, has_fresh_kv: bool, fast_rows: bool) -> _
 _fast_rows: list[bool] = []
 
 
-def _has_fast_rows(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _has_fast_rows(q: torch.Tensor) -> bool:
     """Whether the kernel's flash path for chunks applies: head_dim 64 and a build with AVX-512."""
     if q.shape[2] != 64:
         return False
@@ -208,7 +208,7 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     copies; a longer chunk that is its request's whole context attends its own fresh ``k``/``v`` with the fused
     causal SDPA (nothing read back from the cache), and a longer chunk over a cached prefix takes the gather +
     SDPA passes. Padding rows stay zero."""
-    plan = _plan_for(meta, k is not None, _has_fast_rows(q, kv_cache))
+    plan = _plan_for(meta, k is not None, _has_fast_rows(q))
     if plan.all_paged:  # decode and short chunks only: the kernel's output is the answer (padding rows zero)
         return torch.ops.tallyserve_cpu.paged_attention(_heads_contiguous(q), kv_cache, plan.tables, plan.qsl,
                                                         plan.lens, scale)

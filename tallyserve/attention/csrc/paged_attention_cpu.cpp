@@ -324,9 +324,9 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
 
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
-    // rows_d64's scratch: a piece of float32 keys and values, per query head of a group q transposed, the
-    // output, the running max and sum
-    std::vector<float> kc(kKeysPerPiece * 64), vc(kKeysPerPiece * 64), qt, ot, stats;
+    // rows_d64's scratch, sized on first use (a decode-only call never needs it): a piece of float32 keys and
+    // values, per query head of a group q transposed, the output, the running max and sum
+    std::vector<float> kc, vc, qt, ot, stats;
     std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
       for (int64_t it = lane; it < n_items; it += lanes) {
@@ -348,6 +348,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
           continue;
         }
         if (kHaveRowKernel && D == 64) {
+          if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
           if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
           rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
                    sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
