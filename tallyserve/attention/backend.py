@@ -78,6 +78,16 @@ class AttentionBackend(ABC):
         causal attention output (T, Hq, D) of q (T, Hq, D) over each request's cached context,
         in q's dtype."""
 
+    # True when ``forward_cached`` exists: attention over a cache whose new rows the caller already wrote
+    # (models/fused_ops.rotary_write_kv_ writes them in the rotary kernel, one launch per layer fewer).
+    supports_external_kv_write: bool = False
+
+    def forward_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float) -> torch.Tensor:
+        """``forward`` without its KV write: the caller has written this step's k/v at
+        ``meta.slot_mapping`` already. Only where ``supports_external_kv_write``."""
+        raise NotImplementedError(f"the {self.name} backend writes its own KV rows; call forward")
+
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:

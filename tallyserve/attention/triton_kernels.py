@@ -174,15 +174,21 @@ def _decode_kernel(
     num_splits, num_slots,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CASCADE: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     """Keys [kv_start, seq_len) of one decode request and KV head, split ``num_splits`` ways. With
     CASCADE, kv_start is the shared prefix length (``_cascade_prefix_kernel`` attends the keys below
     it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has. ``PDL``:
-    a dependent launch (models/pdl.py)."""
+    a dependent launch (models/pdl.py). ``HEADS_FIRST``: the grid is (KV heads, requests, splits), so
+    programs that run together read the KV heads of one request (one cache row holds them side by side);
+    else (requests, KV heads, splits)."""
     pdl.enter(PDL)
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start

@@ -51,6 +51,13 @@ def _on_cpu(x: torch.Tensor) -> bool:
     return not _INTERPRET and x.device.type == "cpu"
 
 
+def fuses_kv_write(qkv: torch.Tensor) -> bool:
+    """Whether ``rotary_write_kv_`` runs for ``qkv`` (the Triton kernels: CUDA, or the interpreter), unless
+    TALLYSERVE_FUSED_KV_WRITE=0 (then the attention backend writes the KV rows itself)."""
+    return (triton is not None and not _on_cpu(qkv) and qkv.is_contiguous()
+            and os.environ.get("TALLYSERVE_FUSED_KV_WRITE", "1") != "0")
+
+
 if triton is not None:
 
     @triton.jit
@@ -114,6 +121,58 @@ if triton is not None:
         tl.store(base + HALF + offs, (y2 * c + y1 * s).to(dt), mask=mask)
 
     @triton.jit
+    def _rotary_write_kv_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+                                stride_t, stride_h, stride_c, stride_kv, stride_cb, stride_co, stride_ch, eps,
+                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
+                                PDL: tl.constexpr):
+        # HEADS heads of one token's fused q/k/v row: q and k heads get the rotary embedding in place (after
+        # Qwen3's per-head RMSNorm with QK_NORM), k and v heads are also stored at the token's cache slot
+        # (none for a negative slot). Values round as the separate kernels round: to the model dtype, then
+        # to the cache's. K and V of the cache are one tensor, V ``stride_kv`` elements after K.
+        pdl.enter(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        offs = tl.arange(0, BLOCK)
+        num_heads = NUM_Q_HEADS + 2 * NUM_KV_HEADS
+        mask = (head[:, None] < num_heads) & (offs[None, :] < HALF)
+        ptrs = x_ptr + t * stride_t + head[:, None] * stride_h + offs[None, :]
+        dt = x_ptr.dtype.element_ty
+        x1 = tl.load(ptrs, mask=mask, other=0.0)
+        x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+        rotate = head < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads; the rest are v heads
+        y1 = x1.to(tl.float32)
+        y2 = x2.to(tl.float32)
+        if QK_NORM:
+            inv = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / (2 * HALF) + eps)
+            is_q = (head < NUM_Q_HEADS)[:, None]
+            qw1 = tl.load(qw_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+            qw2 = tl.load(qw_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+            kw1 = tl.load(kw_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+            kw2 = tl.load(kw_ptr + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)[None, :]
+            y1 = (tl.where(is_q, qw1, kw1) * (y1 * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            y2 = (tl.where(is_q, qw2, kw2) * (y2 * inv[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c = tl.load(cos_ptr + t * stride_c + offs, mask=offs < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + t * stride_c + offs, mask=offs < HALF, other=0.0)[None, :]
+        x1 = tl.where(rotate[:, None], (y1 * c - y2 * s).to(dt), x1)
+        x2 = tl.where(rotate[:, None], (y2 * c + y1 * s).to(dt), x2)
+        keep = mask & rotate[:, None]
+        tl.store(ptrs, x1, mask=keep)
+        tl.store(ptrs + HALF, x2, mask=keep)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        is_v = head >= NUM_Q_HEADS + NUM_KV_HEADS
+        kv_head = tl.where(is_v, head - NUM_Q_HEADS - NUM_KV_HEADS, head - NUM_Q_HEADS)
+        safe = tl.where(slot >= 0, slot, 0)
+        dst = (cache_ptr + is_v.to(tl.int64) * stride_kv + (safe // BLOCK_SIZE) * stride_cb
+               + (safe % BLOCK_SIZE) * stride_co + kv_head * stride_ch)
+        # k and v heads of a real row; a padding row (slot < 0) writes none (the slot test folds into the bound:
+        # a block & a scalar bool trips Triton 3.9's interpreter)
+        write = mask & (head[:, None] >= tl.where(slot >= 0, NUM_Q_HEADS, num_heads))
+        ct = cache_ptr.dtype.element_ty
+        tl.store(dst[:, None] + offs[None, :], x1.to(ct), mask=write)
+        tl.store(dst[:, None] + HALF + offs[None, :], x2.to(ct), mask=write)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -173,6 +232,37 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
                                             cos.stride(0), eps, NUM_Q_HEADS=num_q_heads, HALF=half,
                                             BLOCK=triton.next_power_of_2(half), num_warps=1,
                                             **pdl.launch_options(qk.device))
+
+
+def rotary_write_kv_(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: Optional[torch.Tensor] = None,
+                     k_weight: Optional[torch.Tensor] = None, eps: float = 0.0) -> None:
+    """The rotary embedding of q and k in place (after the per-head q/k RMSNorm when ``q_weight`` and
+    ``k_weight`` are given) and the write of k and v into ``kv_cache`` at ``slot_mapping`` (slots < 0:
+    padding, not written), in one kernel: what ``rotary_`` / ``qk_norm_rotary_`` and the attention
+    backend's KV write do, with the same roundings. ``qkv`` (T, Hq + 2 * Hkv, D): the fused projection's
+    output with a contiguous last dim; ``kv_cache`` (2, num_blocks, block_size, Hkv, D). CUDA (and the
+    interpreter) only."""
+    tokens, heads, dim = qkv.shape
+    if qkv.stride(2) != 1 or cos.stride(1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("rotary_write_kv_ needs contiguous last dimensions")
+    if heads != num_q_heads + 2 * num_kv_heads or tuple(kv_cache.shape[3:]) != (num_kv_heads, dim):
+        raise ValueError(f"qkv {tuple(qkv.shape)} and kv_cache {tuple(kv_cache.shape)} do not match "
+                         f"{num_q_heads} query and {num_kv_heads} KV heads")
+    if slot_mapping.shape[0] != tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} rows for {tokens} tokens")
+    if tokens == 0:
+        return
+    qk_norm = q_weight is not None
+    k_cache = kv_cache[0]
+    half = dim // 2
+    per_prog = min(16, triton.next_power_of_2(heads))  # heads per program: one token's q/k/v in a few programs
+    _rotary_write_kv_kernel[(tokens, triton.cdiv(heads, per_prog))](
+        qkv, q_weight if qk_norm else cos, k_weight if qk_norm else cos, cos, sin, kv_cache, slot_mapping,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), kv_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kv_cache.shape[2],
+        HALF=half, BLOCK=triton.next_power_of_2(half), HEADS=per_prog, QK_NORM=qk_norm,
+        num_warps=4 if per_prog * half >= 1024 else 2, **pdl.launch_options(qkv.device))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

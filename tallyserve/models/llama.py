@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tallyserve.attention.backend import AttentionBackend, get_kv_cache_shape
+from tallyserve.attention.backend import AttentionBackend, check_attention_inputs, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.distributed import parallel_state
 from tallyserve.models import fused_ops
@@ -182,15 +182,24 @@ class LlamaAttention(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, out_dtype=self.act_dtype)
         cos, sin = rope
-        qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
-        if self.qk_norm:
-            fused_ops.qk_norm_rotary_(qk, self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, cos, sin)
-        else:
-            fused_ops.rotary_(qk, cos, sin)
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        backend = self.attn_backend
+        if backend.supports_external_kv_write and fused_ops.fuses_kv_write(qkv):
+            # rotary (+ q/k norm) and the KV write in one kernel; the backend only attends
+            check_attention_inputs(q, k, v, kv_cache, meta)
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            fused_ops.rotary_write_kv_(qkv.view(t, hq + 2 * hkv, d), hq, hkv, cos, sin, kv_cache, meta.slot_mapping,
+                                       *norm)
+            out = backend.forward_cached(q, kv_cache, meta, self.scale)
+        else:
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
+            if self.qk_norm:
+                fused_ops.qk_norm_rotary_(qk, self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, cos, sin)
+            else:
+                fused_ops.rotary_(qk, cos, sin)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         o = self.o_proj
         if self.act_dtype is not None and o.tp_size == 1 and o.bias is None:
             # dtype="bfloat16" on the CPU: the product stays in bfloat16 (its exact value) and the next fused

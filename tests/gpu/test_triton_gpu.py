@@ -146,6 +146,60 @@ def test_cascade_decode_over_shared_prefix(num_reqs, prefix_blocks, own, dtype):
     assert (cascade - plain).abs().max().item() <= REL_TOL[dtype] * plain.abs().max().item()
 
 
+@pytest.mark.parametrize("heads_first", [True, False])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_decode_grid_orders(heads_first, splits):
+    """The decode grid ordered (KV heads, requests, splits), the default, and (requests, KV heads, splits)
+    both give the reference's output."""
+    from tallyserve.attention.triton_attn import KernelConfig
+
+    rng = random.Random(11)
+    reqs = [(rng.randint(256, 1280), 1) for _ in range(256)] + [(rng.randint(1, 300), 1) for _ in range(5)]
+    check_case(reqs, 32, 8, 128, 16, torch.bfloat16, num_padding=2,
+               config=KernelConfig(decode_heads_first=heads_first, num_splits=splits))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("tokens", [1, 37, 8192])
+def test_rotary_kv_write_kernel_matches_the_rotary_kernels(qk_norm, tokens):
+    """rotary (+ Qwen3's q/k norm) and the KV write in one kernel against the rotary kernels: q and k within
+    bf16 rounding (the compiler may contract a product and a sum into one FMA in one kernel and not in the
+    other, and sum a head's squares in another order; the interpreter test compares bits), v bit-equal; the
+    cache holds exactly the k and v the kernel left in qkv, at the real rows' slots, and nothing else changed."""
+    from tallyserve.models import fused_ops
+
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    hq, hkv, d = 32, 8, 128
+    qkv = torch.randn(tokens, hq + 2 * hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (tokens,), generator=g, device=DEV).float()
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    emb = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = emb.cos(), emb.sin()
+    qw = (1 + 0.1 * torch.randn(d, generator=g, device=DEV)).to(torch.bfloat16)
+    kw = (1 - 0.1 * torch.randn(d, generator=g, device=DEV)).to(torch.bfloat16)
+    num_blocks = tokens // 16 + 4
+    slots = torch.randperm(num_blocks * 16, generator=g, device=DEV)[:tokens]
+    slots[::5] = -1
+    cache = torch.randn(2, num_blocks, 16, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+    want_qkv = qkv.clone()
+    if qk_norm:
+        fused_ops.qk_norm_rotary_(want_qkv[:, :hq + hkv], qw, kw, hq, 1e-6, cos, sin)
+    else:
+        fused_ops.rotary_(want_qkv[:, :hq + hkv], cos, sin)
+    before = cache.clone()
+    fused_ops.rotary_write_kv_(qkv, hq, hkv, cos, sin, cache, slots, *((qw, kw, 1e-6) if qk_norm else ()))
+    got, want = qkv[:, :hq + hkv].float(), want_qkv[:, :hq + hkv].float()
+    assert ((got - want).abs() <= 2.0 ** -6 * want.abs().amax(-1, keepdim=True)).all()  # two bf16 ulps of the head
+    assert torch.equal(qkv[:, hq + hkv:], want_qkv[:, hq + hkv:])
+    real = slots >= 0
+    flat, flat_before = cache.view(2, -1, hkv, d), before.view(2, -1, hkv, d)
+    assert torch.equal(flat[0, slots[real]], qkv[real, hq:hq + hkv])
+    assert torch.equal(flat[1, slots[real]], qkv[real, hq + hkv:])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEV)
+    untouched[slots[real]] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+
+
 def test_forced_splits_match():
     from tallyserve.attention.triton_attn import KernelConfig
 

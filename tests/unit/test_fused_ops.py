@@ -59,6 +59,28 @@ for dtype in (torch.float32, torch.bfloat16):
     fused_ops.qk_norm_rotary_(strided[:, :6], qn.weight, kn.weight, 4, 1e-6, cos, sin)
     res[f"qk_norm_rotary_{tag}"] = [(strided[:, :6].float() - want.float()).abs().max().item(),
                                     strided[:, 6:].abs().max().item()]
+    # rotary (+ q/k norm) and the KV write in one kernel: bit-equal to the two kernels it replaces, padding
+    # rows (slot -1) and the cache's other slots untouched
+    from tallyserve.attention.torch_ref import write_kv_cache
+    g2 = torch.Generator().manual_seed(7)  # its own draws: the inputs of the other kernels' cases stay as they were
+    slots = torch.tensor([5, -1, 2, 11])  # slot 0 is nobody's: a padding row written there would show
+    for norm in (False, True):
+        worst = [0.0, 0.0]
+        for hq, hkv in ((4, 2), (12, 4)):  # 8 heads: one program per token; 20: two, the second part masked
+            qkv = torch.randn(4, hq + 2 * hkv, 32, generator=g2).to(dtype)
+            want_qkv, got_qkv = qkv.clone(), qkv.clone()
+            want_cache = torch.randn(2, 3, 4, hkv, 32, generator=g2).to(dtype)
+            got_cache = want_cache.clone()
+            if norm:
+                fused_ops.qk_norm_rotary_(want_qkv[:, :hq + hkv], qn.weight, kn.weight, hq, 1e-6, cos, sin)
+            else:
+                fused_ops.rotary_(want_qkv[:, :hq + hkv], cos, sin)
+            write_kv_cache(want_qkv[:, hq:hq + hkv], want_qkv[:, hq + hkv:], want_cache, slots)
+            fused_ops.rotary_write_kv_(got_qkv, hq, hkv, cos, sin, got_cache, slots,
+                                       *((qn.weight, kn.weight, 1e-6) if norm else ()))
+            worst = [max(worst[0], (got_qkv.float() - want_qkv.float()).abs().max().item()),
+                     max(worst[1], (got_cache.float() - want_cache.float()).abs().max().item())]
+        res[f"rotary_write_kv{'_norm' if norm else ''}_{tag}"] = worst
     gu = torch.randn(3, 2 * 70, generator=g).to(dtype)
     want = torch.nn.functional.silu(gu[:, :70]) * gu[:, 70:]
     res[f"silu_mul_{tag}"] = [(fused_ops.silu_mul(gu).float() - want.float()).abs().max().item(), 0.0]
@@ -76,6 +98,16 @@ for arch in ("llama", "qwen3", "qwen2"):
     assert model.enable_fused_kernels()
     fused = run(model)
     res[f"model_{arch}"] = [(plain - fused).abs().max().item(), 0.0]
+    # the Triton backend: the fused path writes the KV rows in its rotary kernel and the backend only attends
+    from tallyserve.attention.backend import get_attn_backend
+    for layer in model.model.layers:
+        layer.self_attn.attn_backend = get_attn_backend("triton")
+    calls = []
+    orig = fused_ops.rotary_write_kv_
+    fused_ops.rotary_write_kv_ = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    fused_triton = run(model)
+    fused_ops.rotary_write_kv_ = orig
+    res[f"model_{arch}_triton"] = [(plain - fused_triton).abs().max().item(), float(len(calls))]
 print("RESULT " + json.dumps(res))
 '''
 
@@ -88,7 +120,8 @@ def results():
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2}
 
 
-@pytest.mark.parametrize("kernel", ["add_rms", "rms", "rotary", "qk_norm_rotary", "silu_mul"])
+@pytest.mark.parametrize("kernel", ["add_rms", "rms", "rotary", "qk_norm_rotary", "silu_mul", "rotary_write_kv",
+                                    "rotary_write_kv_norm"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_matches_torch_reference(results, kernel, dtype):
     err, side = results[f"{kernel}_{dtype}"]
@@ -98,8 +131,13 @@ def test_kernel_matches_torch_reference(results, kernel, dtype):
         assert side <= TOL[dtype] * scale  # the residual stream was updated in place to x + residual
     if kernel in ("rotary", "qk_norm_rotary"):
         assert side == 0.0  # neighbours of the strided view were not touched
+    if kernel.startswith("rotary_write_kv"):
+        assert err == 0.0 and side == 0.0  # same bits as rotary + the backend's KV write, in q/k/v and the cache
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_fused_model_path_matches_plain_path(results, arch):
     assert results[f"model_{arch}"][0] < 1e-4
+    err, fused_writes = results[f"model_{arch}_triton"]
+    assert err < 1e-4
+    assert fused_writes == 2 * 2  # every layer (2) of both steps wrote its KV rows in the rotary kernel

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older Triton
 pytestmark = pytest.mark.skipif(GPUTarget is None, reason="this Triton cannot compile ahead of time")
 
 PTRS = {"cos_ptr": "fp32", "sin_ptr": "fp32", "qw_ptr": "bf16", "kw_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
-        "slot_ptr": "i64", "q_ptr": "bf16", "o_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "bt_ptr": "i32",
+        "slot_ptr": "i64", "cache_ptr": "bf16", "q_ptr": "bf16", "o_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "bt_ptr": "i32",
         "qsl_ptr": "i32", "seq_lens_ptr": "i32", "prefix_len_ptr": "i32", "part_o_ptr": "fp32",
         "part_lse_ptr": "fp32", "x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16"}
 FLOATS = ("qk_scale", "eps")
@@ -93,7 +93,9 @@ def test_the_other_decode_kernels_are_dependent_launches():
     from tallyserve.attention.triton_cache import _write_kv_kernel
     from tallyserve.attention.triton_kernels import _decode_kernel, _reduce_kernel
     from tallyserve.models import pdl
-    from tallyserve.models.fused_ops import _add_rms_norm_kernel, _qk_norm_rotary_kernel, _rotary_kernel
+    from tallyserve.models.fused_ops import (
+        _add_rms_norm_kernel, _qk_norm_rotary_kernel, _rotary_kernel, _rotary_write_kv_kernel,
+    )
 
     if not pdl._GDC:
         pytest.skip("this Triton has no grid dependency control")
@@ -101,6 +103,10 @@ def test_the_other_decode_kernels_are_dependent_launches():
             (_add_rms_norm_kernel, dict(HAS_RESIDUAL=True, BLOCK=4096), 4),
             (_rotary_kernel, dict(HALF=64, BLOCK=64), 1),
             (_qk_norm_rotary_kernel, dict(NUM_Q_HEADS=32, HALF=64, BLOCK=64), 1),
+            (_rotary_write_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, BLOCK=64, HEADS=16,
+                                           QK_NORM=True), 1),
+            (_rotary_write_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, BLOCK=64, HEADS=16,
+                                           QK_NORM=False), 1),
             (_write_kv_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, BLOCK=1024), 4),
             (_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), 1),
             (_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=True, CASCADE=False, **HEADS), 4)]:

@@ -51,6 +51,13 @@ CASES = {
                                    dict(block_n=16, num_splits=2)),
     "decode_only_fp32_split8": ([(60, 1), (3, 1), (0, 1), (17, 1), (99, 1)], 4, 1, 64, 16, "float32", 0,
                                 dict(block_n=16, num_splits=8)),
+    # both orders of the decode grid: KV heads first (the default) and requests first, split and not
+    "decode_heads_first_split4": ([(60, 1), (3, 1), (0, 9), (17, 1), (99, 1)], 8, 2, 64, 16, "float32", 1,
+                                  dict(block_n=16, num_splits=4, decode_heads_first=True)),
+    "decode_requests_first_bf16": ([(40, 1), (7, 1), (23, 1)], 8, 4, 64, 8, "bfloat16", 0,
+                                   dict(block_n=16, decode_heads_first=False)),
+    "decode_requests_first_split2": ([(60, 1), (3, 1), (0, 9), (17, 1)], 8, 2, 64, 16, "float32", 0,
+                                     dict(block_n=16, num_splits=2, decode_heads_first=False)),
     "head_dim_256": ([(5, 4), (20, 1)], 2, 1, 256, 8, "float32", 0, dict(block_n=16, num_splits=2)),
     "head_dim_16": ([(3, 6), (9, 1)], 4, 2, 16, 4, "float32", 1, dict(block_n=16)),
     "head_dim_80_fp16": ([(3, 6), (9, 1)], 4, 2, 80, 4, "float16", 0, dict(block_n=16, num_splits=2)),
