@@ -76,7 +76,12 @@ def run_http(args, out_dir: Path, trace: Path, warm: Path, name: str, env: dict,
                             stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO),
                             env=dict(os.environ, PYTHONPATH=path, **env))
     try:
-        _wait_healthy(url, proc, 600)
+        try:
+            _wait_healthy(url, proc, 600)
+        except RuntimeError:
+            log_file.flush()
+            tail = (out_dir / f"server_{name}.log").read_text().splitlines()[-30:]
+            raise RuntimeError("the server did not come up; the end of its log:\n" + "\n".join(tail)) from None
         cli_main(["bench", "--base-url", url, "--workload", f"file:{warm}", "--ignore-eos", "--disable-tqdm"])
         before = _metrics(url)
         record = out_dir / f"http_bench_{name}.json"
