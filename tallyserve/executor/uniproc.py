@@ -14,7 +14,7 @@ from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks,
-                                            resolve_kv_cache_dtype)
+                                            resolve_kv_cache_dtype, warm_up_full_budget)
 from tallyserve.runner.cpu_threads import CpuThreadGovernor, keep_freed_memory
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
@@ -53,6 +53,7 @@ class UniProcExecutor(Executor):
                              use_cuda_graph=not args.enforce_eager, max_num_seqs=sc.max_num_seqs,
                              max_model_len=sc.max_model_len, eos_token_ids=eos_token_ids, seed=args.seed,
                              use_cascade_attn=not args.disable_cascade_attn)
+        warm_up_full_budget(model, args, mc, device)  # CUDA: a full prefill step's memory and kernels, before serving
         connector = None
         if args.kv_transfer_config is not None:
             from tallyserve.distributed.kv_transfer.factory import make_connector

@@ -104,12 +104,10 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 GPU_HEADROOM_BYTES = 512 << 20
 
 
-@torch.inference_mode()
-def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: ModelConfig,
-                             device: torch.device) -> int:
-    """Peak bytes one forward of a full token budget allocates (plus logits of max_num_seqs rows),
-    measured on the GPU. The dummy batch has slots -1 and an all-zero block table over a one-block
-    scratch cache shared by every layer, so it writes nothing and needs no real KV pool."""
+def _full_budget_forward(model: nn.Module, args: EngineArgs, model_config: ModelConfig, device: torch.device) -> int:
+    """One forward of a full token budget (plus logits of max_num_seqs rows) over a one-block scratch cache
+    shared by every layer: slots -1 and an all-zero block table, so it writes nothing and needs no real KV
+    pool. Returns the token count."""
     max_len = args.max_model_len or model_config.max_position_embeddings
     num_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(args.enable_chunked_prefill, max_len)
     lens = [min(max_len, num_tokens - s) for s in range(0, num_tokens, max_len)]
@@ -128,19 +126,47 @@ def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: M
     cache = torch.zeros(model.get_kv_cache_shape(1, args.block_size), dtype=next(model.parameters()).dtype, **kw)
     positions = torch.cat([torch.arange(n, dtype=torch.int64, **kw) for n in lens])
     sampled = torch.arange(num_tokens - min(args.max_num_seqs, num_tokens), num_tokens, **kw)
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, **kw), positions,
+                   [cache] * model_config.num_hidden_layers, meta)
+    model.compute_logits(hidden[sampled])
+    return num_tokens
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: nn.Module, args: EngineArgs, model_config: ModelConfig,
+                             device: torch.device) -> int:
+    """Peak bytes one forward of a full token budget allocates (plus logits of max_num_seqs rows),
+    measured on the GPU (``_full_budget_forward``)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, **kw), positions,
-                   [cache] * model_config.num_hidden_layers, meta)
-    model.compute_logits(hidden[sampled])
+    num_tokens = _full_budget_forward(model, args, model_config, device)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del hidden
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the KV pool is sized from free memory next
     logger.info("profiled a %d-token forward: %.2f GiB of activations", num_tokens, peak / 2**30)
     return int(peak)
+
+
+@torch.inference_mode()
+def warm_up_full_budget(model: nn.Module, args: EngineArgs, model_config: ModelConfig, device: torch.device) -> bool:
+    """On CUDA, once the KV pool exists: one more forward of a full token budget, so that the caching
+    allocator already holds the activation blocks of a full prefill step and cuBLAS has chosen its kernels for
+    those row counts before the first request (the profiling forward's blocks went back to the driver when
+    the pool was sized). Returns whether it ran; TALLYSERVE_WARMUP_FORWARD=0 skips it. Out of memory here is
+    logged, not raised: the engine serves as it would have without it. Single-process engines only: a tensor
+    parallel rank that ran out of memory here would leave the others waiting in its all-reduces."""
+    if device.type != "cuda" or os.environ.get("TALLYSERVE_WARMUP_FORWARD", "1") == "0":
+        return False
+    try:
+        _full_budget_forward(model, args, model_config, device)
+        torch.cuda.synchronize(device)
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("no memory for the full-budget warm-up forward; the first large step allocates instead")
+        torch.cuda.empty_cache()
+        return False
+    return True
 
 
 def determine_num_blocks(args: EngineArgs, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
