@@ -176,12 +176,13 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
     else:
         part_o = part_lse = out  # unused
     prefix_len_t = meta.prefix_kv_lens if cascade else meta.seq_lens  # read only with CASCADE
-    grid = (num_kv_heads, num_reqs, splits) if config.decode_heads_first else (num_reqs, num_kv_heads, splits)
+    heads_first = config.decode_heads_first and num_reqs <= 65535  # a grid's second axis holds at most 65,535
+    grid = (num_kv_heads, num_reqs, splits) if heads_first else (num_reqs, num_kv_heads, splits)
     _decode_kernel[grid](
         q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale,
         *strides, num_q_heads, splits, num_slots,
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, HEADS_FIRST=config.decode_heads_first,
+        BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, HEADS_FIRST=heads_first,
         num_warps=config.decode_num_warps, **pdl.launch_options(q.device),
         **_stages(config.decode_num_stages),
     )
