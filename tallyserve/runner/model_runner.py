@@ -162,7 +162,11 @@ def warm_up_full_budget(model: nn.Module, args: EngineArgs, model_config: ModelC
     try:
         _full_budget_forward(model, args, model_config, device)
         torch.cuda.synchronize(device)
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError as exc:  # torch.cuda.OutOfMemoryError, or a library's failed workspace allocation
+        text = str(exc)
+        if not isinstance(exc, torch.cuda.OutOfMemoryError) and "out of memory" not in text \
+                and "ALLOC_FAILED" not in text:
+            raise
         logger.warning("no memory for the full-budget warm-up forward; the first large step allocates instead")
         torch.cuda.empty_cache()
         return False

@@ -71,3 +71,16 @@ def test_warm_up_out_of_memory_is_logged_not_raised(tiny, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
         assert not model_runner.warm_up_full_budget(model, args, mc, torch.device("cuda"))
     assert "warm-up" in caplog.text
+
+    def workspace(*a):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    monkeypatch.setattr(model_runner, "_full_budget_forward", workspace)
+    assert not model_runner.warm_up_full_budget(model, args, mc, torch.device("cuda"))
+
+    def broken(*a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(model_runner, "_full_budget_forward", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # not a memory shortage: the engine must not start
+        model_runner.warm_up_full_budget(model, args, mc, torch.device("cuda"))
