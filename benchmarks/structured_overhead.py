@@ -114,14 +114,16 @@ def main() -> int:
     # Each plain run generates exactly the lengths its constrained run produced (greedy answers of a
     # bf16 model may differ between runs, as batch composition changes the rounding), so the two are
     # compared in tokens per second of the same token counts.
-    so_times, plain_times, so_rates, plain_rates, so_outs, so_host = [], [], [], [], None, []
+    so_times, plain_times, so_rates, plain_rates, so_outs, so_host, plain_host = [], [], [], [], None, [], []
     for _ in range(args.repeats):
         before = (dict(engine.timings), engine.stats()["steps"])
         so_s, so_outs = _run(llm, prompts, [constrained] * len(prompts))
         so_host.append(_host_ms_per_step(engine, before))
         lengths = [len(o.outputs[0].token_ids) for o in so_outs]
         plain = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        before = (dict(engine.timings), engine.stats()["steps"])
         plain_s, plain_outs = _run(llm, prompts, plain)
+        plain_host.append(_host_ms_per_step(engine, before))
         assert [len(o.outputs[0].token_ids) for o in plain_outs] == lengths, "same lengths in both runs"
         so_times.append(so_s)
         plain_times.append(plain_s)
@@ -151,6 +153,7 @@ def main() -> int:
         # the fastest structured run's host time per step (ms): "grammar" is the matcher update and
         # bitmask fill, which async scheduling overlaps with the step's forward pass
         "structured_host_ms_per_step": so_host[so_times.index(so_s)],
+        "plain_host_ms_per_step": plain_host[plain_times.index(plain_s)],  # what the grammar adds: the difference
         "grammar_compiles": cstats.compiles if cstats else 0,
         "grammar_compile_s": round(cstats.compile_seconds_sum, 3) if cstats else 0.0,
         "warmup_s": round(warm_s, 2),
