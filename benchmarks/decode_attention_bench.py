@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from h200_checks import _graph_ms  # noqa: E402  (calls captured in one CUDA graph, median of replays)
 
 DEFAULT_VARIANTS = [
     "default:",
@@ -101,29 +103,10 @@ def build_case(batch: int, layout: str, seed: int, hq=32, hkv=8, dim=128, bs=16)
     return q, cache, meta, kv_bytes
 
 
-def graph_ms(fn, calls: int = 20, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def copy_tbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src), calls=5)
+    ms = _graph_ms(lambda: dst.copy_(src), calls=5)
     return 2 * src.numel() * 2 / ms / 1e9  # read + write
 
 
@@ -150,7 +133,7 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, cfg in variants:
                 out = torch.empty_like(q)
-                ms = graph_ms(lambda: paged_attention(q, cache, meta, 0.088, out=out, config=cfg))
+                ms = _graph_ms(lambda: paged_attention(q, cache, meta, 0.088, out=out, config=cfg))
                 best[name] = min(best.get(name, float("inf")), ms)
                 outs[name] = out
         ref = outs[variants[0][0]].float()
