@@ -108,6 +108,7 @@ def _table(results: dict) -> str:
                                               f" {r['median_step_ms'] / ROOFLINE['decode_step_ms']:.2f}x floor 3.8 ms,"
                                               f" {r['decode_steps']} steps"
                                               + (f"; GPU replay b=1 {r['gpu_graph_replay_b1_ms']:.2f} ms"
+                                                 + (" (with lm_head)" if r.get("graph_b1_includes_lm_head") else "")
                                                  if r.get("gpu_graph_replay_b1_ms") else "")
                                               + "; per step ms " + "/".join(f"{v:.1f}" for v in
                                                                            r["timings_ms_per_step"].values())))

@@ -238,6 +238,7 @@ def run_decode(engine, vocab: int, steps: int, deadline: float, sampling: bool =
         with torch.inference_mode():
             graphs._reset_padding(0, 1)  # a padding row: writes nothing, reads nothing
         res["gpu_graph_replay_b1_ms"] = _median_ms(graphs.graphs[1].replay, reps=20)
+        res["graph_b1_includes_lm_head"] = 1 in graphs.logits_outputs  # the replay then computes the logits too
     return res
 
 

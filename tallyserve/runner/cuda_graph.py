@@ -12,6 +12,10 @@ to device, on the stream, no sync: ``ForwardBatch.build`` already moved them fro
 memory), and rows [B, b) become padding requests with slot -1 (their K/V is never written) and
 seq_len 0 (they read no key, so they output zeros and never touch a real row). The graph's output
 rows [0, B) are returned (final-norm hidden states; the runner computes logits of the sampled rows).
+Buckets up to ``LOGITS_MAX_BATCH`` also compute the logits inside the graph when the runner is given
+``compute_logits`` (the lm_head and the float32 cast then replay with the body: two launches fewer, and
+the lm_head's dependent launch overlaps the final norm); their static logits stay small
+(``LOGITS_MAX_BATCH`` rows of the vocabulary). ``TALLYSERVE_GRAPH_LOGITS=0`` keeps the lm_head eager.
 
 The attention backend must read lengths only from device tensors (``supports_cuda_graph``); the
 capture-time metadata carries ``max_seq_len = max_model_len`` so host-side choices (e.g. the decode
@@ -29,8 +33,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -41,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PADDING_SLOT = -1
+# graphs of buckets up to this size compute the logits too (larger steps are bound by the body, and
+# their static float32 logits would hold bucket x vocabulary x 4 bytes of the graph pool)
+LOGITS_MAX_BATCH = 16
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -56,7 +64,7 @@ class Graph(Protocol):
 
 
 class GraphFactory(Protocol):
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]: ...
+    def capture(self, fn: Callable[[], Any]) -> tuple[Graph, Any]: ...
 
 
 class TorchCudaGraphFactory:
@@ -66,7 +74,7 @@ class TorchCudaGraphFactory:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+    def capture(self, fn: Callable[[], Any]) -> tuple[Graph, Any]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             out = fn()
@@ -86,8 +94,12 @@ class CudaGraphRunner:
         max_seq_len: Optional[int] = None,
         graph_factory: Optional[GraphFactory] = None,
         cascade: bool = False,
+        compute_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ) -> None:
+        """``compute_logits``: hidden rows -> float32 logits; given, buckets up to LOGITS_MAX_BATCH
+        capture it after the body (it must be graph-safe: no host sync, no collective)."""
         self.model = model
+        self.compute_logits = compute_logits
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         self.dtype = dtype
@@ -108,6 +120,7 @@ class CudaGraphRunner:
             self.prefix_kv_lens = torch.zeros(1, dtype=torch.int32, **kw)
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.logits_outputs: dict[int, torch.Tensor] = {}  # buckets whose graph computes the logits
         # cascade-attention graphs, keyed like ``graphs`` (buckets of at least CASCADE_MIN_REQS)
         self.cascade_sizes = tuple(b for b in self.buckets if b >= CASCADE_MIN_REQS) if cascade else ()
         self.cascade_graphs: dict[int, Graph] = {}
@@ -132,10 +145,21 @@ class CudaGraphRunner:
             prefix_kv_lens=self.prefix_kv_lens if cascade else None,
         )
 
-    def _forward_fn(self, size: int, cascade: bool = False) -> Callable[[], torch.Tensor]:
+    def graph_logits(self, size: int, cascade: bool = False) -> bool:
+        """Whether bucket ``size``'s graph (of that kind) computes the logits too."""
+        return self.compute_logits is not None and not cascade and size <= LOGITS_MAX_BATCH
+
+    def _forward_fn(self, size: int, cascade: bool = False) -> Callable[[], Any]:
+        """The captured step: hidden states, or (hidden states, logits) for graph_logits buckets."""
         meta = self.capture_meta(size, cascade)
         ids, pos = self.input_ids[:size], self.positions[:size]
-        return lambda: self.model(ids, pos, self.kv_caches, meta)
+        if not self.graph_logits(size, cascade):
+            return lambda: self.model(ids, pos, self.kv_caches, meta)
+
+        def body_and_logits() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+            return hidden, self.compute_logits(hidden)
+        return body_and_logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -153,11 +177,15 @@ class CudaGraphRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             graphs, outputs = (self.cascade_graphs, self.cascade_outputs) if cascade else (self.graphs, self.outputs)
-            graphs[size], outputs[size] = self.graph_factory.capture(fn)
+            graphs[size], out = self.graph_factory.capture(fn)
+            if self.graph_logits(size, cascade):
+                out, self.logits_outputs[size] = out
+            outputs[size] = out
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, cascade attention for %s) in %.2f s",
-                    len(variants), list(self.buckets), list(self.cascade_sizes), time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, cascade attention for %s, logits for %s) in %.2f s",
+                    len(variants), list(self.buckets), list(self.cascade_sizes), sorted(self.logits_outputs),
+                    time.perf_counter() - start)
 
     # ------------------------------------------------------------------ replay
     def bucket_for(self, num_reqs: int) -> int:
@@ -182,9 +210,10 @@ class CudaGraphRunner:
             self.seq_lens[start:end].zero_()
 
     @torch.inference_mode()
-    def run(self, batch) -> torch.Tensor:
-        """Replay the graph of the batch's bucket; returns hidden states (B, hidden) of the real
-        rows: a view of the graph's static output, valid until the next replay."""
+    def run(self, batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Replay the graph of the batch's bucket; returns the hidden states (B, hidden) of the real
+        rows and, when the graph computes them, their float32 logits (B, vocab) (else None): views of
+        the graph's static outputs, valid until the next replay."""
         meta: AttentionMetadata = batch.attn_meta
         num = meta.num_reqs
         size = self.bucket_for(num)
@@ -200,10 +229,11 @@ class CudaGraphRunner:
             self.cascade_graphs[size].replay()
             self.num_replays += 1
             self.num_cascade_replays += 1
-            return self.cascade_outputs[size][:num]
+            return self.cascade_outputs[size][:num], None
         self.graphs[size].replay()
         self.num_replays += 1
-        return self.outputs[size][:num]
+        logits = self.logits_outputs.get(size)
+        return self.outputs[size][:num], (logits[:num] if logits is not None else None)
 
 
 def make_graph_runner(
@@ -211,7 +241,9 @@ def make_graph_runner(
     device: torch.device, dtype: torch.dtype, block_size: int, cascade: bool = False,
 ) -> Optional[CudaGraphRunner]:
     """A captured CudaGraphRunner when the device is CUDA and the model's attention backend can be
-    captured; None otherwise (the runner then stays eager)."""
+    captured; None otherwise (the runner then stays eager). Small buckets capture the logits too,
+    unless the model is tensor-parallel (its logits are gathered across ranks) or
+    TALLYSERVE_GRAPH_LOGITS=0."""
     if device.type != "cuda":
         return None
     backend = getattr(model, "attn_backend", None)
@@ -220,7 +252,10 @@ def make_graph_runner(
                        getattr(backend, "name", backend))
         return None
     max_blocks = -(-max_model_len // block_size)
+    logits_fn = None
+    if getattr(model, "tp_size", 1) == 1 and os.environ.get("TALLYSERVE_GRAPH_LOGITS", "1") != "0":
+        logits_fn = getattr(model, "compute_logits", None)
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_blocks, device, dtype, block_size,
-                             max_seq_len=max_model_len, cascade=cascade)
+                             max_seq_len=max_model_len, cascade=cascade, compute_logits=logits_fn)
     runner.capture()
     return runner

@@ -55,6 +55,8 @@ class ForwardBatch:
     # from the previous step's sampled tokens, fill_src indexing that step's token tensor.
     fill_rows: Optional[torch.Tensor] = None
     fill_src: Optional[torch.Tensor] = None
+    # logits_indices is every row in order (a decode-only step): the logits need no gather
+    logits_all_rows: bool = False
 
     @classmethod
     def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
@@ -118,4 +120,5 @@ class ForwardBatch:
             num_tokens=num_tokens,
             fill_rows=fill_rows_t if fill_rows.size else None,
             fill_src=fill_src_t if fill_rows.size else None,
+            logits_all_rows=len(sample_rows) == num_tokens > 0,
         )

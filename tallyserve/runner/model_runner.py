@@ -280,25 +280,29 @@ class ModelRunner:
         tensor-parallel ranks other than 0, which only help compute them).
         ``prev_token_ids``: the in-flight step's sampled tokens, for the batch's placeholder rows
         (copied device to device, so this step is queued without waiting for that one)."""
-        return self._logits(batch, self._forward(batch, prev_token_ids))
+        return self._logits(batch, *self._forward(batch, prev_token_ids))
 
     @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """The model's hidden states of every row of the batch."""
+    def _forward(self, batch: ForwardBatch, prev_token_ids: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The model's hidden states of every row of the batch, and the logits of every row when a
+        CUDA graph computed them (small decode-only steps; else None)."""
         if batch.fill_rows is not None:
             if prev_token_ids is None:
                 raise ValueError("the batch has placeholder rows but no previous step's tokens")
             batch.input_ids[batch.fill_rows] = prev_token_ids[batch.fill_src]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.run(batch)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta)
-        return hidden
+            return self.graph_runner.run(batch)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta), None
 
     @torch.inference_mode()
-    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def _logits(self, batch: ForwardBatch, hidden: torch.Tensor,
+                all_logits: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Float32 logits of the sampled rows; ``all_logits``: every row's, already computed."""
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        if batch.logits_all_rows:  # a decode-only step: no gather
+            return all_logits if all_logits is not None else self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     # ----------------------------------------------------------------- one step
@@ -318,8 +322,8 @@ class ModelRunner:
                        draft_probs: Optional[dict[str, torch.Tensor]] = None) -> PendingForward:
         """The forward pass of a prepared step, queued on the device; its ``sample(so)`` queues the
         sampling later (structured outputs fill the step's bitmask in between)."""
-        hidden = self._forward(batch, prev.token_ids if prev is not None else None)
-        logits = self._logits(batch, hidden)  # None on a tensor-parallel rank other than 0: rank 0 samples
+        hidden, all_logits = self._forward(batch, prev.token_ids if prev is not None else None)
+        logits = self._logits(batch, hidden, all_logits)  # None on a tensor-parallel rank other than 0: rank 0 samples
         # rows with prompt_logprobs: their logits too, in slices (runner/prompt_logprobs.py); every TP rank
         prompt_lp = compute_prompt_logprobs(self.model.compute_logits, hidden, so.requests,
                                             batch.attn_meta.query_start_loc_cpu, self.model_config.vocab_size)

@@ -41,7 +41,7 @@ class SampledTensors:
     ``token_ids`` to the next step there, before the host has seen them)."""
 
     token_ids: torch.Tensor  # (M,) int64
-    logprobs: torch.Tensor  # (M,) float32, raw logprob of each sampled token
+    logprobs: Optional[torch.Tensor]  # (M,) float32, raw logprob of each sampled token; None: no row reports them (0.0)
     top_rows: list[int]  # rows that asked for top logprobs, with their k
     top_ks: list[int]
     top_ids: Optional[torch.Tensor] = None  # (len(top_rows), max k) int64
@@ -54,7 +54,9 @@ class SampledTensors:
 
 class PendingSamplerOutput:
     def __init__(self, sampled: SampledTensors) -> None:
-        tensors = [sampled.token_ids, sampled.logprobs]
+        self._num_rows = sampled.token_ids.shape[0]
+        self._has_logprobs = sampled.logprobs is not None
+        tensors = [sampled.token_ids] + ([sampled.logprobs] if self._has_logprobs else [])
         if sampled.top_ids is not None:
             tensors += [sampled.top_ids, sampled.top_values]
         self._event = None
@@ -71,10 +73,11 @@ class PendingSamplerOutput:
     def result(self) -> "SamplerOutput":
         if self._event is not None:
             self._event.synchronize()
-        token_ids, logprobs = self._host[0].tolist(), self._host[1].tolist()
+        token_ids = self._host[0].tolist()
+        logprobs = self._host[1].tolist() if self._has_logprobs else [0.0] * self._num_rows
         top: list[Optional[list[tuple[int, float]]]] = [None] * len(token_ids)
         if self._top_rows:
-            ids, values = self._host[2].tolist(), self._host[3].tolist()
+            ids, values = self._host[-2].tolist(), self._host[-1].tolist()
             for j, (i, k) in enumerate(zip(self._top_rows, self._top_ks)):
                 top[i] = list(zip(ids[j][:k], values[j][:k]))
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
@@ -200,8 +203,8 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             logsumexp = logits.logsumexp(dim=-1)
             sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logsumexp
-        else:  # nobody reports them (cumulative_logprob too is reported only with logprobs): skip the pass
-            sampled_logprobs = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)
+        else:  # nobody reports them (cumulative_logprob too is reported only with logprobs): no pass, no copy
+            sampled_logprobs = None
         out = SampledTensors(token_ids, sampled_logprobs, [i for i, p in enumerate(params) if p.logprobs], [])
         if out.top_rows:
             out.top_ks = [params[i].logprobs for i in out.top_rows]

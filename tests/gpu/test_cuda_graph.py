@@ -74,7 +74,12 @@ class ReplayByRerun:
     def capture(self, fn):
         self.captured += 1
         out = fn()
-        return SimpleNamespace(replay=lambda: out.copy_(fn())), out
+
+        def replay():
+            new = fn()
+            for static, fresh in zip(out, new) if isinstance(out, tuple) else ((out, new),):
+                static.copy_(fresh)
+        return SimpleNamespace(replay=replay), out
 
 
 def _batch(ids, positions, meta):
@@ -126,8 +131,8 @@ def test_fake_replay_matches_eager_and_padding_writes_nothing(tiny_dir):
         ids, positions, meta = graph_kv.build(batch)
         fb = _batch(ids, positions, meta)
         assert runner.can_run(fb)
-        hidden = runner.run(fb)
-        assert hidden.shape[0] == len(batch)
+        hidden, graph_logits = runner.run(fb)
+        assert hidden.shape[0] == len(batch) and graph_logits is None, "no compute_logits given"
         size = runner.bucket_for(n)
         # padding rows of the replayed bucket: no cache write, no key read (stale rows would
         # rewrite slots whose blocks may belong to another request by now)
@@ -200,13 +205,55 @@ def test_fake_replay_of_cascade_graphs(tiny_dir):
         if shared is not None:  # None: no prefix named, the plain graph
             meta = dataclasses.replace(meta, common_prefix_len=shared,
                                        prefix_kv_lens=torch.tensor([shared], dtype=torch.int32))
-        hidden = runner.run(_batch(ids, positions, meta))
+        hidden, _ = runner.run(_batch(ids, positions, meta))
         logits = graph_model.compute_logits(hidden)
         for row, (rid, _) in enumerate(batch):
             torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
         if shared is not None:
             assert runner.prefix_kv_lens.tolist() == [shared]
     assert runner.num_replays == 6 and runner.num_cascade_replays == 5
+
+
+def test_fake_replay_computes_logits_in_small_buckets(tiny_dir, monkeypatch):
+    """Given compute_logits, buckets up to LOGITS_MAX_BATCH capture the logits after the body (and
+    cascade graphs never do): the replayed logits of the real rows equal the eager reference's, a
+    step in a larger bucket returns hidden states only, and the static logits hold only small buckets."""
+    import tallyserve.runner.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "LOGITS_MAX_BATCH", 4)
+    ref_model, graph_model = _load(tiny_dir, None), _load(tiny_dir, StaticCascadeBackend())
+    ref_kv = PagedKV(ref_model, num_blocks=64, block_size=4, seed=4)
+    graph_kv = PagedKV(graph_model, num_blocks=64, block_size=4, seed=4)
+    calls = []
+
+    def logits_fn(hidden):
+        calls.append(hidden.shape[0])
+        return graph_model.compute_logits(hidden)
+
+    runner = CudaGraphRunner(graph_model, graph_kv.kv_caches, max_num_seqs=8, max_blocks_per_seq=16,
+                             device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                             graph_factory=ReplayByRerun(), cascade=True, compute_logits=logits_fn)
+    runner.capture()
+    assert sorted(runner.logits_outputs) == [1, 2, 4] and sorted(set(calls)) == [1, 2, 4]
+    assert runner.cascade_sizes == (8,) and not runner.graph_logits(8) and not runner.graph_logits(4, cascade=True)
+    assert all(t.shape == (b, 256) and t.dtype == torch.float32 for b, t in runner.logits_outputs.items())
+    rng = random.Random(7)
+    prompts = [(f"r{j}", [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]) for j in range(8)]
+    ref_kv.step(prompts)
+    graph_kv.step(prompts)
+    for step, n in enumerate([3, 1, 6, 4, 2, 8, 1]):
+        batch = [(rid, [rng.randrange(3, 250)]) for rid in rng.sample([rid for rid, _ in prompts], n)]
+        ref = ref_kv.step(batch)
+        ids, positions, meta = graph_kv.build(batch)
+        hidden, logits = runner.run(_batch(ids, positions, meta))
+        if runner.bucket_for(n) > 4:
+            assert logits is None
+            logits = graph_model.compute_logits(hidden)
+        else:
+            assert logits.shape == (n, 256)
+            torch.testing.assert_close(logits, graph_model.compute_logits(hidden), atol=0, rtol=0)
+        for row, (rid, _) in enumerate(batch):
+            torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
 
 
 def test_can_run_rejects_non_decode_and_oversize(tiny_dir):
@@ -277,7 +324,7 @@ def test_cuda_graph_replay_equals_eager(tiny_dir, dtype):
             fb = _batch(ids.to(dev), pos.to(dev), _to(meta, dev))
             assert runner.can_run(fb)
             snapshot = [c.clone() for c in kv.kv_caches]
-            graph_hidden = runner.run(fb).clone()
+            graph_hidden = runner.run(fb)[0].clone()
             graph_caches = [c.clone() for c in kv.kv_caches]
             for c, s in zip(kv.kv_caches, snapshot):
                 c.copy_(s)
@@ -314,6 +361,7 @@ def test_engine_with_cuda_graphs_matches_eager_and_hf(tiny_dir):
             assert graph_runner is None
         else:
             assert graph_runner is not None and graph_runner.num_replays > 0
+            assert sorted(graph_runner.logits_outputs) == [1, 2, 4, 8], "small buckets compute the logits"
     assert runs[True, False] == runs[False, False] == runs[False, True]
     hf = load_hf_model(tiny_dir)
     for p, toks in zip(prompts, runs[False, True]):

@@ -5,6 +5,7 @@ Triton's interpreter (tests/unit/test_triton_interpret.py, ``cascade_*`` cases) 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -165,3 +166,17 @@ def test_engine_argument_reaches_the_runner(tmp_path, monkeypatch):
     for disable in (False, True):
         LLM(model=path, device="cpu", dtype="float32", disable_cascade_attn=disable)
     assert seen == [True, False]
+
+
+def test_forward_batch_marks_steps_whose_logits_are_every_row():
+    """A step sampling every row in order (decode-only) needs no logits gather; a prefill chunk
+    that does not sample, or a step with query rows that are not sampled, does."""
+    decode = ForwardBatch.build(_decode_step(3, shared=1, own=2, bs=16), 16, torch.device("cpu"))
+    assert decode.logits_all_rows and decode.logits_indices.tolist() == [0, 1, 2]
+    prefill = ForwardBatch.build(_decode_step(3, shared=1, own=2, bs=16, query_len=4), 16, torch.device("cpu"))
+    assert not prefill.logits_all_rows and prefill.logits_indices.tolist() == [3, 7, 11]
+    so = _decode_step(3, shared=1, own=2, bs=16)
+    chunk = so.requests[1]._replace(sample=False)  # a prefill chunk that ends before its prompt does
+    mixed = ForwardBatch.build(dataclasses.replace(so, requests=(so.requests[0], chunk, so.requests[2])),
+                               16, torch.device("cpu"))
+    assert not mixed.logits_all_rows and mixed.logits_indices.tolist() == [0, 2]
