@@ -53,12 +53,20 @@ def _delta(before: dict, after: dict) -> dict:
     return {"stats": stats, "timings_s": timings, "graph_replays": after["replays"] - before["replays"]}
 
 
+def _allocator_counts() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")}
+
+
 def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) -> dict:
     """Add every prompt, step until all finish (or the deadline: then abort the rest)."""
     from tallyserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = _snapshot(engine)
+    alloc_before = _allocator_counts()
     start = time.perf_counter()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -110,6 +118,9 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     res.update(_delta(before, _snapshot(engine)))
     res["step_profile"] = _step_profile(step_log)
     res["latency_ms"] = _latencies(token_times, start)
+    # the caching allocator during the run: retries (it freed its cache and asked the driver again,
+    # a device sync each) and driver allocations show a step that paid for memory
+    res["cuda_allocator"] = {k: v - alloc_before.get(k, 0) for k, v in _allocator_counts().items()}
     s = res["stats"]
     res["ledger_ok"] = (s.get("scheduled_tokens") == s.get("forward_tokens")
                         and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
@@ -196,8 +207,9 @@ def _step_profile(step_log) -> dict:
     for num_reqs, num_tokens, max_q, graph, secs in step_log:
         kind = "decode_graph" if graph else ("decode_eager" if max_q == 1 else "with_prefill")
         groups.setdefault(kind, []).append((num_reqs, num_tokens, secs))
-    out = {"slowest": [{"reqs": r, "tokens": t, "max_query_len": q, "graph": g, "ms": round(x * 1e3, 1)}
-                       for r, t, q, g, x in sorted(step_log, key=lambda e: -e[-1])[:6]]}
+    order = sorted(range(len(step_log)), key=lambda i: -step_log[i][-1])[:6]
+    out = {"slowest": [{"step": i, "reqs": r, "tokens": t, "max_query_len": q, "graph": g, "ms": round(x * 1e3, 1)}
+                       for i in order for r, t, q, g, x in [step_log[i]]]}
     for kind, rows in groups.items():
         secs = [r[2] for r in rows]
         out[kind] = {"steps": len(rows), "total_s": round(sum(secs), 3), "median_ms": round(statistics.median(secs) * 1e3, 2),
@@ -236,7 +248,7 @@ def run_decode(engine, vocab: int, steps: int, deadline: float, sampling: bool =
     graphs = getattr(engine.runner, "graph_runner", None)
     if graphs is not None and 1 in graphs.graphs:
         with torch.inference_mode():
-            graphs._reset_padding(0, 1)  # a padding row: writes nothing, reads nothing
+            graphs._reset_padding(1, 0)  # a padding row: writes nothing, reads nothing
         res["gpu_graph_replay_b1_ms"] = _median_ms(graphs.graphs[1].replay, reps=20)
         res["graph_b1_includes_lm_head"] = 1 in graphs.logits_outputs  # the replay then computes the logits too
     return res

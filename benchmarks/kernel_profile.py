@@ -73,6 +73,7 @@ def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = Fa
         by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     host_ops = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages()), key=lambda kv: -kv[1])[:15]
+    timeline = _step_timeline(kernels)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -83,7 +84,37 @@ def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = Fa
         "kernels_per_step": len(kernels) / steps,
         "top_kernels_ms_per_step": [(name[:90], round(us / 1e3 / steps, 3)) for name, us in top],
         "top_host_ops_self_ms_per_step": [(name[:90], round(us / 1e3 / steps, 3)) for name, us in host_ops],
+        "step_timeline": timeline,
     }
+
+
+# the kernels of a decode graph's body: everything else in a step is the work around the graph
+BODY_KERNELS = ("_gemv_kernel", "_add_rms_norm_kernel", "_decode_kernel", "_rotary_write_kv_kernel", "_reduce_kernel")
+
+
+def _step_timeline(kernels) -> dict:
+    """One steady step, from the start of one embedding lookup (a graph's first kernel) to the next:
+    every kernel outside the graph body with its start (us from the step's start), duration and the
+    idle gap before it; and the idle time inside and outside the body."""
+    events = sorted(kernels, key=lambda e: e.time_range.start)
+    starts = [i for i, e in enumerate(events) if "indexSelect" in e.name or "embedding" in e.name.lower()]
+    if len(starts) < 3:
+        return {}
+    i0, i1 = starts[-3], starts[-2]
+    t0, prev_end, rows, idle_body, idle_other = events[i0].time_range.start, events[i0].time_range.start, [], 0.0, 0.0
+    for e in events[i0:i1 + 1]:
+        gap = max(0.0, e.time_range.start - prev_end)
+        body = any(k in e.name for k in BODY_KERNELS)
+        if body:
+            idle_body += gap
+        else:
+            idle_other += gap
+            rows.append((e.name[:70], round(e.time_range.start - t0, 1), round(e.time_range.end - e.time_range.start, 1),
+                         round(gap, 1)))
+        prev_end = max(prev_end, e.time_range.end)
+    return {"step_us": round(events[i1].time_range.start - t0, 1), "idle_before_body_kernels_us": round(idle_body, 1),
+            "idle_before_other_kernels_us": round(idle_other, 1),
+            "other_kernels (name, start us, duration us, idle before us)": rows}
 
 
 def main() -> None:
@@ -121,6 +152,12 @@ def main() -> None:
         print("  host ops by self CPU time:")
         for name, ms in r["top_host_ops_self_ms_per_step"]:
             print(f"    {ms:8.3f} ms  {name}")
+        tl = r["step_timeline"]
+        if tl:
+            print(f"  one step: {tl['step_us']} us; idle before body kernels {tl['idle_before_body_kernels_us']} us, "
+                  f"before the others {tl['idle_before_other_kernels_us']} us; the others (start, duration, idle before, us):")
+            for name, start, dur, gap in tl["other_kernels (name, start us, duration us, idle before us)"]:
+                print(f"    {start:9.1f} {dur:7.1f} {gap:7.1f}  {name}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "kernel_profile.json").write_text(json.dumps(results, indent=2))
 

@@ -158,13 +158,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for explicit positions. Holds no parameters or buffers (so a model built on
-    the meta device needs no re-initialisation); the CPU inv_freq is copied per device lazily."""
+    the meta device needs no re-initialisation); the CPU inv_freq is copied per device lazily.
+
+    Given ``max_position`` (the largest position the step can hold, known on the host), the rows come
+    from a per-device table of positions [0, n) built once with the same operations (so the values are
+    bit-identical): one gather per forward instead of five elementwise kernels (a decode step's CUDA
+    graph replays it at every step). The table grows to cover a larger bound when one arrives."""
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self._inv_freq_cpu = rope_inv_freq(head_dim, theta, scaling)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._table_by_device: dict[torch.device, torch.Tensor] = {}  # (n, 2 * head_dim): cos | sin
+        self._outgrown: list[torch.Tensor] = []  # replaced tables stay alive: a captured CUDA graph may read one
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         cached = self._inv_freq_by_device.get(device)
@@ -173,11 +180,30 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq_by_device[device] = cached
         return cached
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin, each float32 (T, head_dim)."""
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+    def table(self, device: torch.device, num_positions: int) -> torch.Tensor:
+        """The (n >= num_positions, 2 * head_dim) float32 table of ``device``: cos then sin of each position."""
+        device = torch.device(device)
+        table = self._table_by_device.get(device)
+        if table is None or table.shape[0] < num_positions:
+            n = max(num_positions, 2 * table.shape[0] if table is not None else 0)
+            if table is not None:
+                self._outgrown.append(table)
+            cos, sin = self._cos_sin(torch.arange(n, dtype=torch.int64, device=device))
+            table = self._table_by_device[device] = torch.cat((cos, sin), dim=-1)
+        return table
+
+    def forward(self, positions: torch.Tensor, max_position: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin, each float32 (T, head_dim) (views with row stride 2 * head_dim when
+        they come from the table). ``max_position``: an upper bound of ``positions`` (from the table then)."""
+        if max_position is None:
+            return self._cos_sin(positions)
+        rows = self.table(positions.device, max_position + 1)[positions]
+        return rows[:, : self.head_dim], rows[:, self.head_dim:]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -245,7 +245,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor:
-        rope = self.rotary_emb(positions)
+        # positions of a step are below its longest sequence (padding rows of a graph sit at 0)
+        rope = self.rotary_emb(positions, max(attn_meta.max_seq_len - 1, 0))
         x = self.embed_tokens(input_ids)
         if self.fused:
             return self._forward_fused(x, rope, kv_caches, attn_meta)

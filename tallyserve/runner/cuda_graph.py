@@ -10,7 +10,11 @@ last bucket). All graphs read the same static input buffers, sized for the large
 A batch of B requests replays the smallest bucket b >= B: its rows are copied into [0, B) (device
 to device, on the stream, no sync: ``ForwardBatch.build`` already moved them from pinned host
 memory), and rows [B, b) become padding requests with slot -1 (their K/V is never written) and
-seq_len 0 (they read no key, so they output zeros and never touch a real row). The graph's output
+seq_len 0 (they read no key, so they output zeros and never touch a real row). Buckets up to
+``PACKED_MAX_BATCH`` read their own packed copy of the inputs instead (``forward_batch.graph_input_arrays``:
+the bucket's rows, padding included, and a block table as wide as the captured one): ``ForwardBatch.build``
+packs a step for such a bucket in that layout (``layout``), so its inputs reach the graph in one device
+copy rather than five copies and two fills (a one-request step is bound by such small operations). The graph's output
 rows [0, B) are returned (final-norm hidden states; the runner computes logits of the sampled rows).
 Buckets up to ``LOGITS_MAX_BATCH`` also compute the logits inside the graph when the runner is given
 ``compute_logits`` (the lm_head and the float32 cast then replay with the body: two launches fewer, and
@@ -37,10 +41,12 @@ import os
 import time
 from typing import Any, Callable, Optional, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from tallyserve.attention.metadata import CASCADE_MIN_REQS, AttentionMetadata
+from tallyserve.runner.forward_batch import graph_input_arrays, pack
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ PADDING_SLOT = -1
 # graphs of buckets up to this size compute the logits too (larger steps are bound by the body, and
 # their static float32 logits would hold bucket x vocabulary x 4 bytes of the graph pool)
 LOGITS_MAX_BATCH = 16
+# buckets up to this size keep packed inputs (their padded block tables stay small: bucket x max blocks)
+PACKED_MAX_BATCH = 16
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -118,6 +126,16 @@ class CudaGraphRunner:
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **kw)
             self.block_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, **kw)
             self.prefix_kv_lens = torch.zeros(1, dtype=torch.int32, **kw)
+            # small buckets: (packed buffer, its views: ids, positions, slots, seq_lens, block tables), all padding
+            self.packed: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+            empty = np.zeros(0, dtype=np.int64)
+            for b in self.buckets:
+                if b <= PACKED_MAX_BATCH:
+                    arrays = graph_input_arrays(b, self.max_blocks_per_seq, empty, empty, empty, empty,
+                                                np.zeros((0, 1), dtype=np.int64))
+                    host, views = pack(arrays)
+                    buf = host.to(self.device)
+                    self.packed[b] = (buf, views(buf))
         self.graphs: dict[int, Graph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.logits_outputs: dict[int, torch.Tensor] = {}  # buckets whose graph computes the logits
@@ -129,13 +147,28 @@ class CudaGraphRunner:
         self.num_cascade_replays = 0
 
     # ------------------------------------------------------------------ capture
+    def inputs(self, size: int) -> list[torch.Tensor]:
+        """Bucket ``size``'s static inputs: ids, positions, slots, seq_lens, block tables."""
+        if size in self.packed:
+            return self.packed[size][1]
+        return [t[:size] for t in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)]
+
+    def layout(self, num_reqs: int, width: int) -> Optional[tuple[int, int]]:
+        """(bucket, block-table width) of packed inputs for a decode step of ``num_reqs`` requests whose
+        block tables are ``width`` wide, when its bucket keeps packed inputs; else None."""
+        if not self.graphs or not 0 < num_reqs <= self.buckets[-1] or width > self.max_blocks_per_seq:
+            return None
+        size = self.bucket_for(num_reqs)
+        return (size, self.max_blocks_per_seq) if size in self.packed else None
+
     def capture_meta(self, size: int, cascade: bool = False) -> AttentionMetadata:
         """Metadata of bucket ``size`` over views of the static buffers (host fields: bounds)."""
+        _, _, slots, seq_lens, tables = self.inputs(size)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=slots,
             query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            seq_lens=seq_lens,
+            block_tables=tables,
             query_start_loc_cpu=tuple(range(size + 1)),
             seq_lens_cpu=(self.max_seq_len,) * size,
             block_size=self.block_size,
@@ -152,7 +185,7 @@ class CudaGraphRunner:
     def _forward_fn(self, size: int, cascade: bool = False) -> Callable[[], Any]:
         """The captured step: hidden states, or (hidden states, logits) for graph_logits buckets."""
         meta = self.capture_meta(size, cascade)
-        ids, pos = self.input_ids[:size], self.positions[:size]
+        ids, pos = self.inputs(size)[:2]
         if not self.graph_logits(size, cascade):
             return lambda: self.model(ids, pos, self.kv_caches, meta)
 
@@ -167,7 +200,7 @@ class CudaGraphRunner:
         buffers hold padding only (slot -1, seq_len 0), so warm-up runs write no cache slot."""
         if self.graph_factory is None:
             self.graph_factory = TorchCudaGraphFactory(self.device)
-        self._reset_padding(0, self.buckets[-1])
+        self._reset_padding(self.buckets[-1], 0)
         self.prefix_kv_lens.zero_()
         start = time.perf_counter()
         variants = [(size, False) for size in self.buckets] + [(size, True) for size in self.cascade_sizes]
@@ -204,10 +237,12 @@ class CudaGraphRunner:
             and meta.max_seq_len <= self.max_seq_len
         )
 
-    def _reset_padding(self, start: int, end: int) -> None:
-        if end > start:
-            self.slot_mapping[start:end].fill_(PADDING_SLOT)
-            self.seq_lens[start:end].zero_()
+    def _reset_padding(self, size: int, start: int) -> None:
+        """Rows [start, size) of bucket ``size``'s inputs become padding (slot -1, length 0)."""
+        if size > start:
+            _, _, slots, seq_lens, _ = self.inputs(size)
+            slots[start:].fill_(PADDING_SLOT)
+            seq_lens[start:].zero_()
 
     @torch.inference_mode()
     def run(self, batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -217,13 +252,18 @@ class CudaGraphRunner:
         meta: AttentionMetadata = batch.attn_meta
         num = meta.num_reqs
         size = self.bucket_for(num)
-        self.input_ids[:num].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:num].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:num].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:num].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:num, :width].copy_(meta.block_tables, non_blocking=True)
-        self._reset_padding(num, size)
+        packed = getattr(batch, "graph_inputs", None)
+        if size in self.packed and packed is not None and packed.numel() == self.packed[size][0].numel():
+            self.packed[size][0].copy_(packed, non_blocking=True)  # built in this bucket's layout, padding included
+        else:
+            ids, pos, slots, seq_lens, tables = self.inputs(size)
+            ids[:num].copy_(batch.input_ids, non_blocking=True)
+            pos[:num].copy_(batch.positions, non_blocking=True)
+            slots[:num].copy_(meta.slot_mapping, non_blocking=True)
+            seq_lens[:num].copy_(meta.seq_lens, non_blocking=True)
+            width = meta.block_tables.shape[1]
+            tables[:num, :width].copy_(meta.block_tables, non_blocking=True)
+            self._reset_padding(size, num)
         if meta.common_prefix_len > 0 and size in self.cascade_graphs:
             self.prefix_kv_lens.copy_(meta.prefix_kv_lens, non_blocking=True)
             self.cascade_graphs[size].replay()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -13,25 +13,68 @@ from tallyserve.core.sched_output import SchedulerOutput
 
 
 def upload_arrays(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Tensors of ``arrays`` (cast to ``dtype``) on ``device``. On CUDA they are packed into one
+    """Tensors of ``arrays`` (cast to ``dtype``) on ``device``; see ``upload``."""
+    return upload([(a, dtype) for a in arrays], device)
+
+
+def upload(arrays: list[tuple[np.ndarray, torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Tensors of ``arrays`` (each cast to its dtype) on ``device``. On CUDA they are packed into one
     pinned host buffer and moved by ONE non-blocking copy (views of it come back); the caching host
     allocator keeps the buffer alive until the copy has run. On the CPU: zero-copy ``from_numpy``."""
-    np_dtype = torch.empty((), dtype=dtype).numpy().dtype
     if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np_dtype)).to(device) for a in arrays]
-    # Every piece starts 16-byte aligned, like a fresh allocation: Triton specialises kernels on
-    # pointer alignment, so unaligned views would compile new variants as batch sizes change.
-    align = max(1, 16 // np_dtype.itemsize)
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.size // align) * align
-    host = torch.empty(max(total, 1), dtype=dtype, pin_memory=True)
-    flat = host.numpy()
-    for a, off in zip(arrays, offsets):
-        flat[off:off + a.size] = a.reshape(-1)
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=torch.empty((), dtype=dtype).numpy().dtype)).to(device)
+                for a, dtype in arrays]
+    return upload_packed(arrays, device)[0]
+
+
+def upload_packed(arrays: list[tuple[np.ndarray, torch.dtype]], device: torch.device
+                  ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """``upload`` on CUDA, also returning the packed device buffer (uint8) and each piece's byte offset in it."""
+    host, views = pack(arrays, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
-    return [dev[off:off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
+    return views(dev), dev, views.offsets
+
+
+def pack(arrays: list[tuple[np.ndarray, torch.dtype]], pin_memory: bool = False):
+    """``arrays`` cast and packed into one uint8 host tensor, each piece 16-byte aligned (like a fresh
+    allocation: Triton specialises kernels on pointer alignment, so unaligned views would compile new
+    variants as batch sizes change). Returns (buffer, views): ``views(t)`` slices a copy ``t`` of the
+    buffer (on any device) back into the typed, shaped tensors."""
+    np_dtypes = [torch.empty((), dtype=dtype).numpy().dtype for _, dtype in arrays]
+    offsets, total = [], 0
+    for (a, _), d in zip(arrays, np_dtypes):
+        offsets.append(total)
+        total += -(-a.size * d.itemsize // 16) * 16
+    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=pin_memory)
+    flat = host.numpy()
+    for (a, _), d, off in zip(arrays, np_dtypes, offsets):
+        flat[off:off + a.size * d.itemsize].view(d)[:] = a.reshape(-1)
+
+    def views(buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf[off:off + a.size * d.itemsize].view(dtype).view(a.shape)
+                for (a, dtype), d, off in zip(arrays, np_dtypes, offsets)]
+    views.offsets = offsets  # byte offset of each piece
+    return host, views
+
+
+def graph_input_arrays(bucket: int, width: int, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                       seq_lens: np.ndarray, table: np.ndarray) -> list[tuple[np.ndarray, torch.dtype]]:
+    """A decode step's inputs as a CUDA graph of ``bucket`` requests reads them, in one packed layout
+    (``pack``) that depends only on (bucket, width): ids, positions, slots (int64), sequence lengths and
+    a (bucket, width) block table (int32), rows past the step's requests set to padding (slot -1,
+    length 0: they write and read nothing). The graph runner keeps a device copy of this layout per
+    small bucket, so the step's inputs reach it in one device copy."""
+    n = len(input_ids)
+
+    def padded(a, fill, dtype):
+        out = np.full(bucket, fill, dtype=dtype)
+        out[:n] = a
+        return out
+    wide = np.zeros((bucket, width), dtype=np.int32)
+    wide[:n, :table.shape[1]] = table
+    return [(padded(input_ids, 0, np.int64), torch.int64), (padded(positions, 0, np.int64), torch.int64),
+            (padded(slot_mapping, -1, np.int64), torch.int64), (padded(seq_lens, 0, np.int32), torch.int32),
+            (wide, torch.int32)]
 
 
 def block_table(reqs) -> np.ndarray:
@@ -57,14 +100,20 @@ class ForwardBatch:
     fill_src: Optional[torch.Tensor] = None
     # logits_indices is every row in order (a decode-only step): the logits need no gather
     logits_all_rows: bool = False
+    # a decode step packed for a CUDA graph's bucket (``graph_input_arrays``): the layout's device bytes,
+    # which input_ids / positions / the metadata's tensors are views of (fills included)
+    graph_inputs: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
-              placeholder_src: Optional[Mapping[str, int]] = None, cascade: bool = False) -> "ForwardBatch":
+              placeholder_src: Optional[Mapping[str, int]] = None, cascade: bool = False,
+              graph_layout: Optional[Callable[[int, int], Optional[tuple[int, int]]]] = None) -> "ForwardBatch":
         """``placeholder_src``: request id -> row of the in-flight step's sampled-token tensor,
         needed when an async-scheduled step feeds on tokens that step has not returned yet.
         ``cascade``: the attention backend can attend a prefix shared by every request once per
-        step (decode-only steps of enough requests then carry ``common_prefix_len``)."""
+        step (decode-only steps of enough requests then carry ``common_prefix_len``).
+        ``graph_layout(num_reqs, table_width)``: (bucket, width) when a CUDA graph would replay this
+        decode step from packed inputs (``graph_input_arrays``), else None."""
         reqs = output.requests
         num_reqs = len(reqs)
         query_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=num_reqs)
@@ -90,13 +139,24 @@ class ForwardBatch:
                 raise ValueError("the batch holds placeholder tokens but no in-flight step supplies them")
             fill_src = np.fromiter((placeholder_src[reqs[i].request_id] for i in req_of_row[fill_rows]),
                                    dtype=np.int64, count=fill_rows.size)
-        # one pinned host->device copy per dtype on CUDA (see upload_arrays)
-        ids_t, positions_t, slots_t, sample_t, fill_rows_t, fill_src_t = upload_arrays(
-            [input_ids, positions, slot_mapping, np.asarray(sample_rows, dtype=np.int64), fill_rows, fill_src],
-            torch.int64, device)
+        # one pinned host->device copy on CUDA (see upload)
         prefix_len = cascade_prefix_len(table, seq_lens, query_lens, block_size) if cascade and num_reqs else 0
-        int32 = [cu, seq_lens, table] + ([np.array([prefix_len])] if prefix_len else [])
-        cu_t, seq_lens_t, table_t, *prefix_t = upload_arrays(int32, torch.int32, device)
+        rest = ([(a, torch.int64) for a in (np.asarray(sample_rows, dtype=np.int64), fill_rows, fill_src)]
+                + [(a, torch.int32) for a in [cu] + ([np.array([prefix_len])] if prefix_len else [])])
+        layout = None
+        if graph_layout is not None and num_tokens == num_reqs > 0:
+            layout = graph_layout(num_reqs, table.shape[1])
+        graph_inputs = None
+        if layout is not None:  # the graph's layout first; the step's tensors are views of it
+            packed = graph_input_arrays(*layout, input_ids, positions, slot_mapping, seq_lens, table)
+            tensors, dev, offsets = upload_packed(packed + rest, device)
+            ids_t, positions_t, slots_t, seq_lens_t, table_t = (t[:num_reqs] for t in tensors[:5])
+            sample_t, fill_rows_t, fill_src_t, cu_t, *prefix_t = tensors[5:]
+            graph_inputs = dev[:offsets[5]]
+        else:
+            (ids_t, positions_t, slots_t, seq_lens_t, table_t, sample_t, fill_rows_t, fill_src_t, cu_t,
+             *prefix_t) = upload([(input_ids, torch.int64), (positions, torch.int64), (slot_mapping, torch.int64),
+                                  (seq_lens, torch.int32), (table, torch.int32)] + rest, device)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             query_start_loc=cu_t,
@@ -121,4 +181,5 @@ class ForwardBatch:
             fill_rows=fill_rows_t if fill_rows.size else None,
             fill_src=fill_src_t if fill_rows.size else None,
             logits_all_rows=len(sample_rows) == num_tokens > 0,
+            graph_inputs=graph_inputs,
         )

@@ -311,7 +311,8 @@ class ModelRunner:
         for rid in so.finished_request_ids:
             self._generators.pop(rid, None)
         return ForwardBatch.build(so, self.block_size, self.device, prev.token_index if prev is not None else None,
-                                  cascade=self.use_cascade_attn)
+                                  cascade=self.use_cascade_attn,
+                                  graph_layout=self.graph_runner.layout if self.graph_runner is not None else None)
 
     def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:

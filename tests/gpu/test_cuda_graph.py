@@ -136,8 +136,9 @@ def test_fake_replay_matches_eager_and_padding_writes_nothing(tiny_dir):
         size = runner.bucket_for(n)
         # padding rows of the replayed bucket: no cache write, no key read (stale rows would
         # rewrite slots whose blocks may belong to another request by now)
-        assert (runner.slot_mapping[n:size] == -1).all() and (runner.seq_lens[n:size] == 0).all()
-        assert torch.equal(runner.slot_mapping[:n], meta.slot_mapping)
+        _, _, slots, seq_lens, _ = runner.inputs(size)
+        assert (slots[n:] == -1).all() and (seq_lens[n:] == 0).all()
+        assert torch.equal(slots[:n], meta.slot_mapping)
         logits = graph_model.compute_logits(hidden)
         for row, (rid, _) in enumerate(batch):
             torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
@@ -254,6 +255,60 @@ def test_fake_replay_computes_logits_in_small_buckets(tiny_dir, monkeypatch):
             torch.testing.assert_close(logits, graph_model.compute_logits(hidden), atol=0, rtol=0)
         for row, (rid, _) in enumerate(batch):
             torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
+
+
+def test_packed_decode_steps_reach_small_buckets_in_one_copy(tiny_dir, monkeypatch):
+    """ForwardBatch.build packs a decode step in its bucket's layout (graph_layout); the runner then
+    moves the whole packed region in one copy (no per-tensor copies), padding rows included; the
+    replayed logits equal the eager reference's, and steps of larger buckets (or prefill) are not packed."""
+    from tallyserve import SamplingParams
+    from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+    from tallyserve.runner.forward_batch import ForwardBatch
+
+    ref_model, graph_model = _load(tiny_dir, None), _load(tiny_dir, StaticDecodeBackend())
+    ref_kv = PagedKV(ref_model, num_blocks=64, block_size=4, seed=6)
+    graph_kv = PagedKV(graph_model, num_blocks=64, block_size=4, seed=6)
+    runner = CudaGraphRunner(graph_model, graph_kv.kv_caches, max_num_seqs=32, max_blocks_per_seq=16,
+                             device=torch.device("cpu"), dtype=torch.float32, block_size=4,
+                             graph_factory=ReplayByRerun())
+    assert runner.layout(3, 2) is None, "nothing captured yet"
+    runner.capture()
+    assert sorted(runner.packed) == [1, 2, 4, 8, 16] and runner.layout(17, 2) is None and runner.layout(3, 17) is None
+    assert runner.layout(3, 5) == (4, 16)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, *a, **k: (copies.append(t.dtype), real_copy(t, src, *a, **k))[1])
+    rng = random.Random(3)
+    prompts = [(f"r{j}", [rng.randrange(3, 250) for _ in range(rng.randint(2, 9))]) for j in range(20)]
+    ref_kv.step(prompts)
+    graph_kv.step(prompts)
+    params = SamplingParams(max_tokens=8)
+    for step, n in enumerate([3, 1, 16, 5, 20]):
+        batch = [(rid, [rng.randrange(3, 250)]) for rid in rng.sample([rid for rid, _ in prompts], n)]
+        ref = ref_kv.step(batch)
+        starts = {rid: graph_kv.num_computed[rid] for rid, _ in batch}
+        graph_kv.build(batch)  # hands out the new slots' blocks exactly as the reference did
+        so = SchedulerOutput(step_id=step, requests=tuple(
+            ScheduledRequest(rid, tuple(toks), starts[rid], tuple(graph_kv.block_tables[rid]), True, params, 0)
+            for rid, toks in batch), total_tokens=n)
+        fb = ForwardBatch.build(so, 4, torch.device("cpu"), graph_layout=runner.layout)
+        size = runner.bucket_for(n)
+        assert (fb.graph_inputs is not None) == (size <= 16)
+        assert runner.can_run(fb)
+        copies.clear()
+        hidden, _ = runner.run(fb)
+        if size <= 16:
+            # (the fake replay copies the float32 hidden states into the static output)
+            assert [d for d in copies if d != torch.float32] == [torch.uint8], "one copy of the packed region"
+            ids, pos, slots, seq_lens, tables = runner.inputs(size)
+            assert ids[:n].tolist() == [t[0] for _, t in batch] and pos[:n].tolist() == list(starts.values())
+            assert (slots[n:] == -1).all() and (seq_lens[n:] == 0).all()
+        logits = graph_model.compute_logits(hidden)
+        for row, (rid, _) in enumerate(batch):
+            torch.testing.assert_close(logits[row:row + 1], ref[rid], atol=1e-4, rtol=1e-4, msg=f"step {step} {rid}")
+    prefill = SchedulerOutput(step_id=9, requests=(ScheduledRequest("x", (5, 6), 0, (1, 2), True, params, 0),),
+                              total_tokens=2)
+    assert ForwardBatch.build(prefill, 4, torch.device("cpu"), graph_layout=runner.layout).graph_inputs is None
 
 
 def test_can_run_rejects_non_decode_and_oversize(tiny_dir):

@@ -180,3 +180,19 @@ def test_forward_batch_marks_steps_whose_logits_are_every_row():
     mixed = ForwardBatch.build(dataclasses.replace(so, requests=(so.requests[0], chunk, so.requests[2])),
                                16, torch.device("cpu"))
     assert not mixed.logits_all_rows and mixed.logits_indices.tolist() == [0, 2]
+
+
+def test_pack_puts_every_dtype_in_one_aligned_buffer():
+    """The batch's int64 and int32 arrays travel in one host buffer (one copy to the device); each
+    piece starts 16-byte aligned and comes back with its dtype, shape and values."""
+    from tallyserve.runner.forward_batch import pack
+
+    arrays = [(np.array([3, -1, 7]), torch.int64), (np.zeros(0, dtype=np.int64), torch.int64),
+              (np.array([[1, 2], [3, 4], [5, 6]]), torch.int32), (np.array([2**31 - 1]), torch.int32),
+              (np.arange(5), torch.int64)]
+    host, views = pack(arrays)
+    assert host.dtype == torch.uint8 and host.numel() == 32 + 0 + 32 + 16 + 48
+    out = views(host.clone())
+    for (a, dtype), t in zip(arrays, out):
+        assert t.dtype == dtype and tuple(t.shape) == a.shape and t.tolist() == a.tolist()
+        assert t.data_ptr() % 16 == 0 or t.numel() == 0

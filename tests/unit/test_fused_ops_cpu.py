@@ -18,7 +18,7 @@ from tallyserve.attention import cpu_kernels
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 from tallyserve.attention.torch_ref import write_kv_cache
 from tallyserve.models import fused_ops
-from tallyserve.models.layers import RMSNorm, apply_rotary
+from tallyserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from tallyserve.models.loader import load_model, resolve_model
 from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model
 
@@ -63,6 +63,29 @@ def test_rotary_in_place_on_a_strided_view_equals_the_reference_bitwise():
     fused_ops.rotary_(wide[:, 1:7], cos, sin)
     assert torch.equal(wide[:, 1:7], apply_rotary(qk, cos, sin))
     assert torch.all(wide[:, [0, 7, 8]] == 7.0)  # neighbours untouched
+
+
+def test_rotary_table_rows_equal_the_direct_computation_bitwise():
+    """Rows gathered from the position table are exactly the per-step cos/sin (same operations), come
+    as views with the table's row stride, and a table that grows keeps the outgrown one alive (a
+    captured CUDA graph may still read it)."""
+    rope = RotaryEmbedding(16, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    positions = torch.tensor([0, 5, 63, 64, 200, 7, 7])
+    direct = rope(positions)
+    cos, sin = rope(positions, max_position=200)
+    assert cos.shape == sin.shape == (7, 16) and cos.stride() == sin.stride() == (32, 1)
+    assert torch.equal(cos, direct[0]) and torch.equal(sin, direct[1])
+    first = rope.table(torch.device("cpu"), 1)
+    assert first.shape == (201, 32)
+    cos2, _ = rope(torch.tensor([1000, 3]), max_position=1000)
+    grown = rope.table(torch.device("cpu"), 1)
+    assert grown.shape == (1001, 32) and any(t is first for t in rope._outgrown)
+    assert torch.equal(cos2, rope(torch.tensor([1000, 3]))[0])
+    x = torch.randn(7, 3, 16)
+    y = x.clone()
+    fused_ops.rotary_(y, cos, sin)
+    assert torch.equal(y, apply_rotary(x, *direct))
 
 
 def test_qk_norm_rotary_normalises_q_and_k_heads_with_their_own_weights():
