@@ -76,6 +76,8 @@ class Tokenizer:
         self.byte_token_ids: frozenset[int] = frozenset(
             i for token, i in hf_tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)
         )
+        # Incremental decoding in one Rust call per step, where it is exact (not with byte tokens).
+        self._stream_class = _decode_stream_class(self._backend) if not self.byte_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -89,6 +91,13 @@ class Tokenizer:
         return self.hf.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Optional[Any]:
+        """A new `tokenizers.decoders.DecodeStream`, or None where its text could differ from
+        IncrementalDetokenizer's own decoding (see `_decode_stream_class`)."""
+        if self._stream_class is None:
+            return None
+        return self._stream_class(skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template: Optional[str] = None,
@@ -175,6 +184,32 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 })
+
+
+def _decode_stream_class(backend: Any) -> Optional[type]:
+    """DecodeStream where streaming with it is exactly IncrementalDetokenizer's Python decoding
+    for this Rust tokenizer (and so the full decode), else None. Callers also exclude
+    byte-fallback tokenizers: their decoder judges a whole run of byte tokens at once, which
+    the Python path waits out (see Tokenizer.byte_token_ids) and DecodeStream does not.
+
+    DecodeStream runs the same windowed decode in Rust, with two differences: it moves a window's
+    start past ids that decode to nothing, and it raises where a window's text does not extend
+    the text before it. Neither changes the text of the byte-level decoder (GPT-2 style: Llama 3,
+    Qwen, SmolLM), which maps each token to bytes regardless of its neighbours and decodes their
+    concatenation as UTF-8: a window that starts after a complete character decodes to exactly
+    the continuation of the text. Metaspace, WordPiece, Strip, CTC and the no-decoder join let a
+    token's text depend on its place in the window, so there the window's start matters and the
+    two paths are not the same algorithm; they keep the Python path."""
+    if backend is None:
+        return None
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers.decoders import ByteLevel, DecodeStream
+    except ImportError:  # a tokenizers release without DecodeStream
+        return None
+    if not isinstance(backend, RustTokenizer) or not isinstance(backend.decoder, ByteLevel):
+        return None
+    return DecodeStream
 
 
 def _special_ids(hf: Any) -> list[int]:
@@ -284,6 +319,13 @@ class IncrementalDetokenizer:
     plain decode of the output ids. With stop strings (and not include_stop_str_in_output), the
     last `max(len(stop)) - 1` characters are held back so a stop string never straddles deltas.
     Stop strings are only looked for once `min_tokens` tokens exist.
+
+    One algorithm, two places to run it: the decode window of `_decode_new` in Python, or, where
+    `Tokenizer.decode_stream` gives a tokenizers DecodeStream (byte-level decoders without byte
+    tokens), the same window in Rust: one call per update instead of two decodes and the slicing
+    around them. The stream returns text exactly when the Python window would, so _prefix/_read
+    keep following the window and the Python path takes over where the stream fails, and for
+    `flush` (DecodeStream never releases the text it withholds).
     """
 
     def __init__(
@@ -297,6 +339,7 @@ class IncrementalDetokenizer:
         self.output_token_ids: list[int] = []
         self.finished = False  # True once a stop string ended the text
         self.stop_reason: Optional[str] = None  # the stop string that ended it
+        self._stops = params.stop
         self._hold = 0 if params.include_stop_str_in_output else max(params.max_stop_str_len - 1, 0)
         self._text = ""  # decoded text: emitted + held back
         self._sent = 0  # characters of _text already returned
@@ -305,6 +348,10 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = 0
         self._prefix_text = ""
+        skip = params.skip_special_tokens
+        self._stream = tokenizer.decode_stream(skip) if tokenizer is not None else None
+        self._backend = tokenizer._backend if tokenizer is not None else None
+        self._byte_ids = tokenizer.byte_token_ids if tokenizer is not None else frozenset()
 
     @property
     def text(self) -> str:
@@ -316,10 +363,34 @@ class IncrementalDetokenizer:
         Once a stop string has finished the text, further ids are ignored."""
         if self.finished:
             return ""
-        self.output_token_ids.extend(new_token_ids)
-        if self.tokenizer is None:
+        ids = self.output_token_ids
+        ids.extend(new_token_ids)
+        if self._stream is not None:
+            n = len(new_token_ids)
+            if not n:
+                return ""  # the same ids decode to the same (withheld) text
+            try:  # one id as an int: the engine's case, and the cheapest call
+                new = self._stream.step(self._backend, new_token_ids[0] if n == 1 else list(new_token_ids))
+            except Exception:  # noqa: BLE001 - e.g. a tokenizers release whose step takes one id only
+                self._leave_stream()
+                new = self._decode_new(allow_partial=False)
+            else:
+                if new is None:
+                    return ""
+                self._prefix, self._read = self._read, len(ids)
+        elif self.tokenizer is None:
             return ""
-        if self._extend_text(allow_partial=False):
+        else:
+            new = self._decode_new(allow_partial=False)
+        if not new:
+            return ""  # the text did not grow: what may be sent did not either
+        if not self._stops:  # nothing to look for, nothing held back
+            self._text += new
+            self._sent = len(self._text)
+            return new
+        old_len = len(self._text)
+        self._text += new
+        if len(ids) >= self.params.min_tokens and self._check_stop(old_len):
             return self._take(len(self._text))
         return self._take(len(self._text) - self._hold)
 
@@ -328,42 +399,54 @@ class IncrementalDetokenizer:
         a trailing incomplete character (as U+FFFD, like a full decode). The last, so far
         undecodable text may still complete a stop string: check `finished` / `stop_reason`."""
         if self.tokenizer is not None and not self.finished:
-            self._extend_text(allow_partial=True)
+            if self._stream is not None:
+                # DecodeStream keeps what it withholds to itself; the Python window it was followed
+                # by takes over and releases the rest, as the Python path would (two short decodes,
+                # where a full decode of the output would cost O(length) per request).
+                self._leave_stream()
+            new = self._decode_new(allow_partial=True)
+            if new:
+                old_len = len(self._text)
+                self._text += new
+                if self._stops and len(self.output_token_ids) >= self.params.min_tokens:
+                    self._check_stop(old_len)
         return self._take(len(self._text))
 
-    def _extend_text(self, allow_partial: bool) -> bool:
-        """Decode what the new ids add to the text; True if a stop string ended it."""
-        old_len = len(self._text)
-        self._text += self._decode_new(allow_partial)
-        if not self.params.stop or len(self._text) == old_len:
-            return False
-        if len(self.output_token_ids) < self.params.min_tokens:
-            return False
-        return self._check_stop(old_len)
+    def _leave_stream(self) -> None:
+        """Go on in Python from the window the stream has followed (_prefix/_read)."""
+        self._stream = None
+        ids = self.output_token_ids[self._prefix : self._read]
+        self._prefix_text = self._decode(ids, self.params.skip_special_tokens)
 
     def _decode_new(self, allow_partial: bool) -> str:
         ids = self.output_token_ids
         if len(ids) == self._read:
             return ""
         skip = self.params.skip_special_tokens
-        full = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=skip)
+        full = self._decode(ids[self._prefix :], skip)
         if len(full) <= len(self._prefix_text):
             return ""
-        waiting = full.endswith(_REPLACEMENT_CHAR) or ids[-1] in self.tokenizer.byte_token_ids
-        if waiting and not allow_partial:
+        if not allow_partial and (full.endswith(_REPLACEMENT_CHAR) or ids[-1] in self._byte_ids):
             return ""  # wait: the last character may be incomplete, or a byte run may go on
         new_text = full[len(self._prefix_text) :]
         self._prefix, self._read = self._read, len(ids)
-        self._prefix_text = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=skip)
+        self._prefix_text = self._decode(ids[self._prefix : self._read], skip)
         return new_text
+
+    def _decode(self, ids: list[int], skip: bool) -> str:
+        if self._backend is not None:  # Tokenizer.decode's path, without its copy of the ids
+            return self._backend.decode(ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _check_stop(self, old_len: int) -> bool:
         """Look for stop strings ending in the new text; on a hit truncate _text and finish."""
         # The stop string that completes first wins (ties: the longer one, which starts first),
         # so the result does not depend on how the tokens were grouped into updates.
         best: Optional[tuple[int, int, str]] = None
-        for stop in self.params.stop:
-            idx = self._text.find(stop, max(0, old_len - len(stop) + 1))
+        text = self._text
+        for stop in self._stops:
+            start = old_len - len(stop) + 1
+            idx = text.find(stop, start if start > 0 else 0)
             if idx >= 0 and (best is None or (idx + len(stop), idx) < best[:2]):
                 best = (idx + len(stop), idx, stop)
         if best is None:

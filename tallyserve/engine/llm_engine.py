@@ -318,14 +318,19 @@ class LLMEngine:
     def _emit_tokens(self, seq: SequenceState, samples: list[TokenSample]) -> None:
         """Logprobs and stop-safe text for the tokens the scheduler appended this step."""
         req = seq.request
-        new = req.output_token_ids[seq.num_emitted:]  # sampled tokens only, no placeholders
+        detok = seq.detokenizer
+        # The sampled tokens not yet emitted (no placeholders): one slice, not output_token_ids'
+        # copy of every output token.
+        new = req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:req.num_resolved_tokens]
+        logprobs = req.sampling_params.logprobs is not None  # nothing to record otherwise
         for i, token in enumerate(new):
-            record_logprobs(seq, samples[i], self.tokenizer)
+            if logprobs:
+                record_logprobs(seq, samples[i], self.tokenizer)
             seq.num_emitted += 1
-            seq.text += seq.detokenizer.update([token])  # stop-safe text only
-            if seq.detokenizer.finished:
+            seq.text += detok.update((token,))  # stop-safe text only
+            if detok.finished:
                 was_finished = req.is_finished()
-                self.scheduler.stop_request(req, seq.num_emitted, seq.detokenizer.stop_reason)
+                self.scheduler.stop_request(req, seq.num_emitted, detok.stop_reason)
                 if not was_finished:
                     self._finish_seq(seq, req)
                     if self.spec is not None:

@@ -23,7 +23,7 @@ class SequenceState:
     detokenizer: IncrementalDetokenizer
     text: str = ""
     logprobs: Optional[list[dict[int, Logprob]]] = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float = 0.0  # summed only when the request asks logprobs (reported only then)
     num_emitted: int = 0  # output tokens already detokenized and reported
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
@@ -78,9 +78,11 @@ def make_detokenizer(tokenizer: Optional[Tokenizer], request: Request) -> Increm
 
 
 def record_logprobs(seq: SequenceState, sample: TokenSample, tokenizer: Optional[Tokenizer]) -> None:
-    seq.cumulative_logprob += sample.logprob
+    """Add one sampled token's logprob entry, and its logprob to the cumulative one; nothing when
+    the request asks no logprobs (its cumulative_logprob is reported only with them)."""
     if seq.request.sampling_params.logprobs is None:
         return
+    seq.cumulative_logprob += sample.logprob
     top = sample.top_logprobs or []
     rank = next((i for i, (t, _) in enumerate(top, 1) if t == sample.token_id), None)
     entry = {sample.token_id: Logprob(sample.logprob, rank, _piece(tokenizer, sample.token_id))}

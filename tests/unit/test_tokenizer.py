@@ -1,3 +1,4 @@
+import copy
 import os
 import sys
 
@@ -282,6 +283,167 @@ def test_stop_strings_match_reference_and_never_retract(tok, words, stops, inclu
     assert detok.finished == bool(hits) and detok.stop_reason == (hits[0][2] if hits else None)
 
 
+# ---- streaming decode: DecodeStream vs the Python window ----------------------------------
+
+
+def _python_path(tok):
+    """The same tokenizer with DecodeStream off: IncrementalDetokenizer decodes in Python (the
+    path of tokenizers it cannot stream exactly)."""
+    slow = copy.copy(tok)
+    slow._stream_class = None
+    return slow
+
+
+@pytest.fixture(scope="module")
+def tok600(tmp_path_factory):
+    """More merges than `tok`: multi-byte characters come as whole tokens, partly merged bytes,
+    or single bytes."""
+    return load_tokenizer(make_tiny_tokenizer(str(tmp_path_factory.mktemp("tok600")), vocab_size=600))
+
+
+@pytest.fixture(scope="module", params=["vocab256", "vocab600"])
+def stream_pair(request, tok, tok600):
+    fast = tok if request.param == "vocab256" else tok600
+    return fast, _python_path(fast)
+
+
+def _stream_on_stream_path(tok, ids, params, chunks=None):
+    """`_stream`, checking that every update ran on DecodeStream (flush always leaves it)."""
+    detok = IncrementalDetokenizer(tok, [5, 6, 7], params)
+    assert detok._stream is not None
+    deltas, i, chunks = [], 0, list(chunks or [])
+    while i < len(ids) and not detok.finished:
+        size = chunks.pop(0) if chunks else 1
+        deltas.append(detok.update(ids[i : i + size]))
+        i += size
+        assert detok._stream is not None
+    if not detok.finished:
+        deltas.append(detok.flush())
+    return detok, deltas
+
+
+@st.composite
+def _output_ids(draw, tok):
+    """Ids a model could sample: text with multi-byte characters (its first ids sometimes cut
+    off, so a character starts mid-way), special tokens (empty text when skipped), ids outside
+    the tokenizer's vocabulary (no text) and arbitrary ids (mostly partial UTF-8 bytes)."""
+    vocab = tok._backend.get_vocab_size()
+    piece = st.one_of(
+        st.tuples(st.text(alphabet=st.sampled_from(list(MULTI_BYTE + 'ab {}":,\n')), min_size=1, max_size=8),
+                  st.integers(0, 2)).map(lambda t: tok.encode(t[0], add_special_tokens=False)[t[1]:]),
+        st.sampled_from(tok.all_special_ids).map(lambda i: [i]),
+        st.integers(vocab, vocab + 8).map(lambda i: [i]),
+        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3),
+    )
+    return [i for ids in draw(st.lists(piece, max_size=12)) for i in ids]
+
+
+def test_stream_decoding_only_where_exact(tok, tok600, byte_fallback_tok):
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    for t in (tok, tok600):  # byte-level decoder, no byte tokens
+        assert t.decode_stream() is not None
+        assert IncrementalDetokenizer(t, [], SamplingParams())._stream is not None
+    assert byte_fallback_tok.decode_stream() is None  # <0xNN> byte runs: the Python path waits them out
+    assert IncrementalDetokenizer(byte_fallback_tok, [], SamplingParams())._stream is None
+    rt = RustTokenizer(models.BPE(unk_token="<unk>"))  # SentencePiece-style spaces, no byte tokens
+    rt.pre_tokenizer = pre_tokenizers.Metaspace()
+    rt.decoder = decoders.Metaspace()
+    rt.train_from_iterator([TRAINING_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+                                                                show_progress=False))
+    metaspace = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rt, unk_token="<unk>"))
+    assert not metaspace.byte_token_ids and metaspace.decode_stream() is None
+    ids = metaspace.encode("the cat sat on the mat")
+    _, deltas = _stream(metaspace, ids, SamplingParams())
+    assert "".join(deltas) == metaspace.decode(ids) == "the cat sat on the mat"
+
+
+@_HYP
+@given(data=st.data(), chunks=st.lists(st.integers(0, 4), max_size=20), skip=st.booleans())
+def test_stream_decoding_equals_python_path_and_full_decode(stream_pair, data, chunks, skip):
+    fast, slow = stream_pair
+    ids = data.draw(_output_ids(fast))
+    params = SamplingParams(skip_special_tokens=skip)
+    fast_detok, fast_deltas = _stream_on_stream_path(fast, ids, params, chunks)
+    slow_detok, slow_deltas = _stream(slow, ids, params, chunks)
+    assert fast_deltas == slow_deltas  # the same text from every update, not only in total
+    assert "".join(fast_deltas) == fast_detok.text == fast.decode(ids, skip_special_tokens=skip)
+
+
+@_HYP
+@given(
+    data=st.data(),
+    words=st.lists(st.sampled_from(["the", " cat", " sat", "!", " 東京", "🙂", " on", "\n", "<|im_end|>"]),
+                   max_size=15),
+    stops=st.lists(st.sampled_from(["cat", "t s", "京🙂", "\n\n", "🙂", "xyz", "t", "<|im_end|>", "\ufffd"]),
+                   min_size=1, max_size=3),
+    include=st.booleans(),
+    skip=st.booleans(),
+    min_tokens=st.integers(0, 6),
+    chunks=st.lists(st.integers(0, 3), max_size=10),
+)
+def test_stream_decoding_stop_strings_equal_python_path(stream_pair, data, words, stops, include, skip,
+                                                         min_tokens, chunks):
+    fast, slow = stream_pair
+    ids = fast.encode("".join(words)) + data.draw(_output_ids(fast))  # then partial bytes, specials, ...
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, skip_special_tokens=skip,
+                            min_tokens=min_tokens, max_tokens=100)
+    fast_detok, fast_deltas = _stream_on_stream_path(fast, ids, params, chunks)
+    slow_detok, slow_deltas = _stream(slow, ids, params, chunks)
+    assert fast_deltas == slow_deltas
+    assert fast_detok.text == slow_detok.text == "".join(fast_deltas)
+    assert (fast_detok.finished, fast_detok.stop_reason) == (slow_detok.finished, slow_detok.stop_reason)
+    if not fast_detok.finished:
+        assert fast_detok.text == fast.decode(ids, skip_special_tokens=skip)
+
+
+class _FailingStream:
+    """A DecodeStream whose `fail_at`-th step raises (as a tokenizers release that takes one id
+    per step does when given several)."""
+
+    def __init__(self, stream, fail_at):
+        self.stream, self.fail_at, self.calls = stream, fail_at, 0
+
+    def step(self, tokenizer, ids):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise TypeError("StreamInput must be either an integer or a list of integers")
+        return self.stream.step(tokenizer, ids)
+
+
+@_HYP
+@given(data=st.data(), chunks=st.lists(st.integers(1, 4), max_size=20), fail_at=st.integers(1, 25),
+       skip=st.booleans())
+def test_stream_failure_hands_over_to_the_python_window(tok, data, chunks, fail_at, skip):
+    ids = data.draw(_output_ids(tok))
+    params = SamplingParams(skip_special_tokens=skip)
+    _, expected = _stream(_python_path(tok), ids, params, chunks)
+    detok = IncrementalDetokenizer(tok, [5, 6, 7], params)
+    detok._stream = _FailingStream(detok._stream, fail_at)
+    deltas, i, chunks = [], 0, list(chunks)
+    while i < len(ids):
+        size = chunks.pop(0) if chunks else 1
+        deltas.append(detok.update(ids[i : i + size]))
+        i += size
+    deltas.append(detok.flush())
+    assert deltas == expected and "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_stream_flush_releases_what_the_stream_withholds(tok):
+    ids = tok.encode("ok 東京 🙂")
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    emitted = "".join(detok.update([i]) for i in ids[:-1] + [0])  # cut inside the emoji, then EOS
+    assert emitted == "ok 東京 " and detok.flush() == "\ufffd" and detok.flush() == ""
+    assert detok._stream is None  # the Python window took over to release it
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["🙂"]))  # holds nothing back (length 1)
+    assert "".join(detok.update([i]) for i in ids[:-1] + [0]) == "ok 東京 "
+    assert detok.flush() == "\ufffd" and not detok.finished  # the stop string never completed
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(skip_special_tokens=False))
+    emitted = "".join(detok.update([i]) for i in ids + [0])
+    assert emitted == "ok 東京 🙂<|endoftext|>" and detok.flush() == ""
+
+
 # ---- chat template ------------------------------------------------------------------------
 
 
@@ -355,12 +517,33 @@ def _bundled_gguf() -> str:
 _GGUF = _bundled_gguf()
 
 
-@pytest.mark.skipif(
+_SLOW_GGUF = pytest.mark.skipif(
     not os.environ.get("TALLYSERVE_SLOW_TESTS") or not os.path.exists(_GGUF),
     reason="loading a GGUF tokenizer takes ~8 s; set TALLYSERVE_SLOW_TESTS=1",
 )
-def test_load_tokenizer_from_gguf():
-    t = load_tokenizer(_GGUF)
+
+
+@pytest.fixture(scope="module")
+def gguf_tok():
+    return load_tokenizer(_GGUF)
+
+
+@_SLOW_GGUF
+def test_load_tokenizer_from_gguf(gguf_tok):
+    t = gguf_tok
     assert t.vocab_size == 49152 and t.eos_token_id == 2
     ids = t.apply_chat_template([{"role": "user", "content": "hi"}])
     assert t.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+@_SLOW_GGUF
+@_HYP
+@given(data=st.data(), chunks=st.lists(st.integers(0, 4), max_size=20), skip=st.booleans())
+def test_stream_decoding_bundled_tokenizer(gguf_tok, data, chunks, skip):
+    # the bundled model's tokenizer (SmolLM2's byte-level BPE, 49152 ids) streams through DecodeStream
+    ids = data.draw(_output_ids(gguf_tok))
+    params = SamplingParams(skip_special_tokens=skip)
+    _, fast_deltas = _stream_on_stream_path(gguf_tok, ids, params, chunks)
+    _, slow_deltas = _stream(_python_path(gguf_tok), ids, params, chunks)
+    assert fast_deltas == slow_deltas
+    assert "".join(fast_deltas) == gguf_tok.decode(ids, skip_special_tokens=skip)
