@@ -102,6 +102,12 @@ def _step_timeline(kernels) -> dict:
         return {}
     i0, i1 = starts[-3], starts[-2]
     t0, prev_end, rows, idle_body, idle_other = events[i0].time_range.start, events[i0].time_range.start, [], 0.0, 0.0
+    marginal: dict[str, float] = {}  # how far each kernel moves the step's end: the critical path by kernel
+    for e in events[i0:i1]:
+        key = next((k for k in BODY_KERNELS if k in e.name), e.name[:40])
+        marginal[key] = marginal.get(key, 0.0) + max(0.0, e.time_range.end - prev_end)
+        prev_end = max(prev_end, e.time_range.end)
+    prev_end = t0
     for e in events[i0:i1 + 1]:
         gap = max(0.0, e.time_range.start - prev_end)
         body = any(k in e.name for k in BODY_KERNELS)
@@ -114,6 +120,7 @@ def _step_timeline(kernels) -> dict:
         prev_end = max(prev_end, e.time_range.end)
     return {"step_us": round(events[i1].time_range.start - t0, 1), "idle_before_body_kernels_us": round(idle_body, 1),
             "idle_before_other_kernels_us": round(idle_other, 1),
+            "critical_path_us_by_kernel": {k: round(v, 1) for k, v in sorted(marginal.items(), key=lambda kv: -kv[1])},
             "other_kernels (name, start us, duration us, idle before us)": rows}
 
 
@@ -158,6 +165,8 @@ def main() -> None:
                   f"before the others {tl['idle_before_other_kernels_us']} us; the others (start, duration, idle before, us):")
             for name, start, dur, gap in tl["other_kernels (name, start us, duration us, idle before us)"]:
                 print(f"    {start:9.1f} {dur:7.1f} {gap:7.1f}  {name}")
+            print("  the step's critical path by kernel (us): " + ", ".join(
+                f"{k} {v}" for k, v in list(tl["critical_path_us_by_kernel"].items())[:10]))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "kernel_profile.json").write_text(json.dumps(results, indent=2))
 
