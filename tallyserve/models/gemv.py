@@ -24,6 +24,7 @@ the interpreter (its tests).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -52,11 +53,34 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return True
 
 
+def _overrides() -> dict[tuple[int, int], tuple[int, int, int]]:
+    """``TALLYSERVE_GEMV_TILES="4096x12288=8,512,4;..."``: (BLOCK_N, BLOCK_K, num_warps) for exact (N, K)
+    shapes, for A/B runs of tile choices; anything unparsable is an error (a typo must not pass silently)."""
+    return _parse_tiles(os.environ.get("TALLYSERVE_GEMV_TILES", "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int, int]]:
+    out = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        try:
+            shape, tiles = item.split("=")
+            n, k = (int(v) for v in shape.lower().split("x"))
+            bn, bk, w = (int(v) for v in tiles.split(","))
+        except ValueError:
+            raise ValueError(f"TALLYSERVE_GEMV_TILES: cannot parse {item!r} (want NxK=BLOCK_N,BLOCK_K,WARPS)") from None
+        out[(n, k)] = (bn, bk, w)
+    return out
+
+
 def _config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), from sweeps on an H200 over the presets' shapes (bf16, one row): wide
     outputs (gate/up) take 16 x 256 tiles; long rows (down) 8 x 1024 up to 4096 outputs (Llama-3-8B 4.03 TB/s,
     Qwen3-8B 3.94) and 8 x 512 beyond (Mistral-Nemo's 5120 x 14336: 3.86 TB/s, 3.39 with 8 x 1024); 4096 x 4096
     8 x 1024; the rest 8 x 512."""
+    forced = _overrides().get((n, k))
+    if forced is not None:
+        return forced[0], min(forced[1], triton.next_power_of_2(k)), forced[2]
     if n >= 16384:
         block_n, block_k = 16, 256
     elif k >= 8192:

@@ -141,3 +141,21 @@ def test_dependent_launch_only_on_nvidia_gpus_and_not_when_switched_off(monkeypa
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(pdl, "_by_device", {0: False})  # an older GPU
     assert not pdl.pdl_enabled(cuda0)
+
+
+def test_forced_tiles_apply_to_their_exact_shapes_only_and_typos_are_errors(monkeypatch):
+    pytest.importorskip("triton")
+    from tallyserve.models import gemv
+
+    monkeypatch.delenv("TALLYSERVE_GEMV_TILES", raising=False)
+    default_down, default_o = gemv._config(4096, 12288), gemv._config(4096, 4096)
+    monkeypatch.setenv("TALLYSERVE_GEMV_TILES", " 4096x12288=4,2048,8 ; 24576X4096=32,128,4;")
+    assert gemv._config(4096, 12288) == (4, 2048, 8) and gemv._config(24576, 4096) == (32, 128, 4)
+    assert gemv._config(4096, 4096) == default_o, "other shapes keep the defaults"
+    monkeypatch.setenv("TALLYSERVE_GEMV_TILES", "4096x64=8,1024,4")
+    assert gemv._config(4096, 64) == (8, 64, 4), "BLOCK_K never exceeds the row"
+    monkeypatch.setenv("TALLYSERVE_GEMV_TILES", "4096x12288=8,1024")
+    with pytest.raises(ValueError, match="TALLYSERVE_GEMV_TILES"):
+        gemv._config(4096, 12288)
+    monkeypatch.delenv("TALLYSERVE_GEMV_TILES")
+    assert gemv._config(4096, 12288) == default_down
