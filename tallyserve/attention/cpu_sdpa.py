@@ -187,6 +187,21 @@ def _has_fast_rows(q: torch.Tensor) -> bool:
     """Whether the kernel's flash path for chunks applies: head_dim 64 and a build with AVX-512."""
     if q.shape[2] != 64:
         return False
+    return _has_fast_rows_flag()
+
+
+def compiled_decode_plan(meta: AttentionMetadata, head_dim: int, kv_dtype: torch.dtype) -> Optional[_KernelPlan]:
+    """The kernel plan of a pass whose every request the compiled kernel attends in place (decode rows and short
+    chunks over a float32 or bfloat16 cache), for callers that run the layers themselves
+    (``tallyserve_cpu::decode_layers_f32``); None when some request takes another path or the kernels are off."""
+    if kv_dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.load():
+        return None
+    fast = head_dim == 64 and _has_fast_rows_flag()
+    plan = _plan_for(meta, True, fast)
+    return plan if plan.all_paged else None
+
+
+def _has_fast_rows_flag() -> bool:
     if not _fast_rows:
         _fast_rows.append(bool(torch.ops.tallyserve_cpu.has_fast_rows()))
     return _fast_rows[0]

@@ -22,6 +22,7 @@ embedding, one gather of the logits onto rank 0. ``check_tensor_parallel`` says 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,11 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tallyserve.attention import cpu_kernels
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.distributed import parallel_state
 from tallyserve.models import fused_ops
 from tallyserve.models.layers import (
+    CPU_MLP_CHUNK_ROWS,
     ColumnParallelLinear,
     GatedMLP,
     ParallelLMHead,
@@ -254,8 +257,69 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache, attn_meta)
         return self.norm(x)
 
+    def _cpu_layer_weights(self) -> Optional[list]:
+        """The per-layer weights ``tallyserve_cpu::decode_layers_f32`` takes, when this model fits it: float32
+        fused projections without biases or q/k norm, one process (no tensor parallelism), the compiled CPU
+        attention backend, and TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once."""
+        cached = getattr(self, "_cpu_weights", False)
+        if cached is not False:
+            return cached
+        from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+
+        def fits(layer) -> bool:
+            a, m = layer.self_attn, layer.mlp
+            return (a.qkv_weight is not None and a.qkv_weight.dtype == torch.float32 and a.qkv_bias is None
+                    and not a.qk_norm and a.act_dtype is None and a.o_proj.bias is None and a.o_proj.tp_size == 1
+                    and a.o_proj.weight.dtype == torch.float32 and isinstance(a.attn_backend, CpuSdpaBackend)
+                    and m.gate_up_weight is not None and m.gate_up_weight.dtype == torch.float32
+                    and m.gate_proj.bias is None and m.down_proj.bias is None and m.down_proj.tp_size == 1
+                    and m.down_proj.weight.dtype == torch.float32
+                    and a.scale == self.layers[0].self_attn.scale
+                    and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.norm.eps)
+        weights = None
+        if (os.environ.get("TALLYSERVE_CPU_DECODE_LAYERS", "1") != "0" and self.matmul_dtype is None
+                and self.norm.weight.device.type == "cpu" and all(fits(layer) for layer in self.layers)
+                and cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "decode_layers_f32")):
+            weights = [[layer.input_layernorm.weight for layer in self.layers],
+                       [layer.self_attn.qkv_weight for layer in self.layers],
+                       [layer.self_attn.o_proj.weight for layer in self.layers],
+                       [layer.post_attention_layernorm.weight for layer in self.layers],
+                       [layer.mlp.gate_up_weight for layer in self.layers],
+                       [layer.mlp.down_proj.weight for layer in self.layers]]
+        self._cpu_weights = weights
+        return weights
+
+    def _cpu_decode_layers(self, x, rope, kv_caches, attn_meta) -> Optional[torch.Tensor]:
+        """The layers of a CPU step in one compiled call (``tallyserve_cpu::decode_layers_f32``: the same
+        operators as ``_forward_fused``, without the Python between them), when the model fits it and every
+        request of the step goes through the compiled attention kernel in place; else None."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] > CPU_MLP_CHUNK_ROWS:
+            return None
+        weights = self._cpu_layer_weights()
+        if weights is None:
+            return None
+        from tallyserve.attention.cpu_sdpa import compiled_decode_plan
+
+        attn = self.layers[0].self_attn
+        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        plan = compiled_decode_plan(attn_meta, d, kv_caches[0].dtype)
+        if plan is None:
+            return None
+        t = x.shape[0]
+        meta_q = torch.empty((t, hq, d), device="meta")
+        meta_kv = torch.empty((t, hkv, d), device="meta")
+        for kv_cache in kv_caches:  # the backend's checks, once per cache instead of per layer and step
+            check_attention_inputs(meta_q, meta_kv, meta_kv, kv_cache, attn_meta)
+        cos, sin = rope
+        return torch.ops.tallyserve_cpu.decode_layers_f32(
+            x.contiguous(), *weights, self.norm.weight, self.norm.eps, hq, hkv, d, cos, sin, kv_caches,
+            attn_meta.slot_mapping, plan.tables, plan.qsl, plan.lens, attn.scale)
+
     def _forward_fused(self, x, rope, kv_caches, attn_meta) -> torch.Tensor:
         """The same computation with the residual stream threaded through fused add + RMSNorm."""
+        fast = self._cpu_decode_layers(x, rope, kv_caches, attn_meta)
+        if fast is not None:
+            return fast
         residual, mm = x, self.matmul_dtype
         h = fused_ops.add_rms_norm(x, None, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps,
                                    out_dtype=mm)
