@@ -48,11 +48,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         out = gemv.gemv(x, weight, out_dtype)
         return out if bias is None else out.add_(bias)
     packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's bf16 projections
-    if packed is not None and x.dim() == 2 and x.shape[0] > _GEMV_MAX_ROWS:
+    if packed is not None and x.dim() == 2 and x.shape[0] > CPU_GEMV_MAX_ROWS:
         out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), packed, None, "none", [], "")
         out = out.to(out_dtype)
         return out if bias is None else out.add_(bias)
-    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= _GEMV_MAX_ROWS and _cpu_gemv(weight):
+    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= CPU_GEMV_MAX_ROWS and _cpu_gemv(weight):
         # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
         out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
         return out if bias is None else out.add_(bias)
@@ -69,7 +69,7 @@ def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
     one to four rows (``gemv_bf16``). False where this PyTorch build has no such operators."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        probe = torch.zeros(_GEMV_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype)
+        probe = torch.zeros(CPU_GEMV_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype)
         torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
@@ -77,7 +77,7 @@ def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
     return True
 
 
-_GEMV_MAX_ROWS = 4
+CPU_GEMV_MAX_ROWS = 4
 # GatedMLP on the CPU: rows per piece of a long chunk, float32 and bfloat16 weights. oneDNN's bfloat16 kernels
 # change at 2,048 rows: the down projection (1,536 -> 576) ran 1.0 TFLOP/s at 1,024 rows and 2.1 at 2,048, so
 # the bundled model's MLP over 4,096 rows took 18.9 ms in pieces of 1,024 and 13.8 in pieces of 2,048. Float32

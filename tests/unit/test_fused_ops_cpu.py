@@ -332,16 +332,22 @@ def test_kv_cache_write_rounds_like_torch_and_zeroes_non_finite_values(dim, dtyp
                        want.view(torch.int16) if dtype == torch.bfloat16 else want.view(torch.int32))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypatch, arch):
-    """A float32 step whose requests all take the compiled attention kernel in place runs its decoder layers in
-    one compiled call (tallyserve_cpu::decode_layers_f32): the same operators in the same order as the Python
-    layers, so the outputs and the KV cache are bit-identical; models it does not cover (q/k norm, biases), long
-    chunks and TALLYSERVE_CPU_DECODE_LAYERS=0 keep the Python layers."""
+@pytest.mark.parametrize("arch,matmul_dtype", [("llama", None), ("llama", torch.bfloat16), ("qwen3", None),
+                                                ("qwen2", None)])
+def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypatch, arch, matmul_dtype):
+    """A step whose requests all take the compiled attention kernel in place runs its decoder layers in one
+    compiled call (tallyserve_cpu::decode_layers_f32, or decode_layers_bf16 with bfloat16 projections for one to
+    four rows): the same operators in the same order as the Python layers, so the outputs and the KV cache are
+    bit-identical; models it does not cover (q/k norm, biases), long chunks and TALLYSERVE_CPU_DECODE_LAYERS=0
+    keep the Python layers."""
     model_dir = make_tiny_model(str(tmp_path), arch, num_key_value_heads=2)
     model = load_model(resolve_model(model_dir, "auto"), "auto", torch.float32, torch.device("cpu"), 0,
                        CpuSdpaBackend())
     assert model.enable_fused_kernels()
+    if matmul_dtype is not None:
+        if not hasattr(torch.ops.tallyserve_cpu, "decode_layers_bf16"):
+            pytest.skip("the kernels were built without AVX512-BF16")
+        model.set_matmul_dtype(matmul_dtype)
     inner = model.model
     used = []
     real = inner._cpu_decode_layers
@@ -357,7 +363,7 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
         monkeypatch.setenv("TALLYSERVE_CPU_DECODE_LAYERS", flag)
         inner._cpu_weights = False  # looked up again under the flag
         used.clear()
-        kv = PagedKV(model, num_blocks=64, block_size=4, seed=2)
+        kv = PagedKV(model, num_blocks=64, block_size=4, seed=2, dtype=matmul_dtype or torch.float32)
         outs = [kv.step([("a", list(range(3, 14))), ("b", [5, 6, 7])]),  # short prompts: the kernel in place
                 kv.step([("a", [20]), ("b", [8])], num_padding=2),  # decode with padding rows
                 kv.step([("c", list(range(30, 60)))]),  # a 30-row prompt: the fused causal path, Python layers
@@ -368,7 +374,8 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     plain, plain_caches, plain_used = run("0")
     fast, fast_caches, fast_used = run("1")
     assert not any(plain_used)
-    assert fast_used == ([True, True, False, True] if arch == "llama" else [False] * 4)
+    expected = {None: [True, True, False, True], torch.bfloat16: [False, True, False, True]}[matmul_dtype]
+    assert fast_used == (expected if arch == "llama" else [False] * 4)  # bf16: 14 rows are past gemv_bf16's 4
     assert torch.equal(fast, plain)
     for a, b in zip(fast_caches, plain_caches):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
