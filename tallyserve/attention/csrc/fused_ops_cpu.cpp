@@ -403,8 +403,8 @@ void mask_logits_rows_(at::Tensor logits, const at::Tensor& words, const at::Ten
 // paged attention, the output product, add + RMSNorm, gate/up, SiLU-and-multiply, down; then the final add +
 // RMSNorm. x: the float32 embeddings (T, H), updated in place as the residual stream. What this saves is the Python
 // around ~13 operators per layer (a one-sequence step of the bundled model spent ~4 ms of its ~25 there).
-// Two variants: float32 projections (ATen's matmul), and bfloat16 projections of one to four rows
-// (dtype="bfloat16": gemv_bf16, the norms and SiLU-and-multiply handing them bfloat16, q/k/v back in float32).
+// Two variants (bf16_projections): float32 projections (ATen's matmul), and bfloat16 projections of one to four
+// rows (dtype="bfloat16": gemv_bf16, the norms and SiLU-and-multiply handing them bfloat16, q/k/v back in float32).
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double);
 
@@ -452,34 +452,29 @@ at::Tensor run_decode_layers(at::Tensor x, const LayerWeights& w, const at::Tens
   return add_rms_norm(h.to(at::kFloat), residual, final_norm, eps);
 }
 
-at::Tensor decode_layers_f32(at::Tensor x, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList o_w,
-                             at::TensorList post_norm, at::TensorList gate_up_w, at::TensorList down_w,
-                             const at::Tensor& final_norm, double eps, int64_t num_q_heads, int64_t num_kv_heads,
-                             int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv_caches,
-                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  auto product = [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
-  auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
-    return add_rms_norm(a, r, wt, eps);
-  };
-  auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
-    at::Tensor gate_up = at::linear(a, gate_up_weight);  // Python: F.silu(gate) * up, then down
-    const int64_t n = gate_up.size(1) / 2;
-    return at::linear(at::silu(gate_up.narrow(1, 0, n)) * gate_up.narrow(1, n, n), down_weight);
-  };
-  return run_decode_layers(x, {in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w}, final_norm, eps, num_q_heads,
-                           num_kv_heads, head_dim, cos, sin, kv_caches, slot_mapping, block_tables, query_start_loc,
-                           seq_lens, scale, product, product, norm, mlp);
-}
-
+at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList o_w,
+                         at::TensorList post_norm, at::TensorList gate_up_w, at::TensorList down_w,
+                         const at::Tensor& final_norm, double eps, int64_t num_q_heads, int64_t num_kv_heads,
+                         int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                         bool bf16_projections) {
+  const LayerWeights w{in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w};
+  if (!bf16_projections) {
+    auto product = [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
+    auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
+      return add_rms_norm(a, r, wt, eps);
+    };
+    auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
+      at::Tensor gate_up = at::linear(a, gate_up_weight);  // Python: F.silu(gate) * up, then down
+      const int64_t n = gate_up.size(1) / 2;
+      return at::linear(at::silu(gate_up.narrow(1, 0, n)) * gate_up.narrow(1, n, n), down_weight);
+    };
+    return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
+                             slot_mapping, block_tables, query_start_loc, seq_lens, scale, product, product, norm, mlp);
+  }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-at::Tensor decode_layers_bf16(at::Tensor x, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList o_w,
-                              at::TensorList post_norm, at::TensorList gate_up_w, at::TensorList down_w,
-                              const at::Tensor& final_norm, double eps, int64_t num_q_heads, int64_t num_kv_heads,
-                              int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv_caches,
-                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(x.size(0) <= kGemvMaxRows, "decode_layers_bf16: 1 to ", kGemvMaxRows, " rows");
+  TORCH_CHECK(x.size(0) <= kGemvMaxRows, "decode_layers with bfloat16 projections: 1 to ", kGemvMaxRows, " rows");
   // layers.linear for one to four rows of bfloat16 weights: gemv_bf16 on x rounded to bfloat16; q/k/v come back
   // in float32 (the model's dtype), the output product stays in bfloat16 for the next norm
   auto qkv_product = [](const at::Tensor& a, const at::Tensor& b) {
@@ -494,11 +489,13 @@ at::Tensor decode_layers_bf16(at::Tensor x, at::TensorList in_norm, at::TensorLi
   auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
     return gemv_bf16(silu_mul_bf16(gemv_bf16(a.contiguous(), gate_up_weight)), down_weight);
   };
-  return run_decode_layers(x, {in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w}, final_norm, eps, num_q_heads,
-                           num_kv_heads, head_dim, cos, sin, kv_caches, slot_mapping, block_tables, query_start_loc,
-                           seq_lens, scale, qkv_product, o_product, norm, mlp);
-}
+  return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
+                           slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product, norm,
+                           mlp);
+#else
+  TORCH_CHECK(false, "decode_layers: bfloat16 projections need a build with AVX512-BF16 (gemv_bf16)");
 #endif
+}
 
 }  // namespace
 
@@ -511,16 +508,10 @@ TORCH_LIBRARY_FRAGMENT(tallyserve_cpu, m) {
   m.def("add_rms_norm_bf16(Tensor x, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
   m.def("mask_logits_rows_(Tensor(a!) logits, Tensor words, Tensor rows) -> ()");
-  m.def("decode_layers_f32(Tensor(a!) x, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] o_w, Tensor[] post_norm, "
+  m.def("decode_layers(Tensor(a!) x, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] o_w, Tensor[] post_norm, "
         "Tensor[] gate_up_w, Tensor[] down_w, Tensor final_norm, float eps, int num_q_heads, int num_kv_heads, "
         "int head_dim, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  m.def("decode_layers_bf16(Tensor(a!) x, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] o_w, Tensor[] post_norm, "
-        "Tensor[] gate_up_w, Tensor[] down_w, Tensor final_norm, float eps, int num_q_heads, int num_kv_heads, "
-        "int head_dim, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
-#endif
+        "Tensor query_start_loc, Tensor seq_lens, float scale, bool bf16_projections) -> Tensor");
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
 #endif
@@ -534,10 +525,7 @@ TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) {
   m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("mask_logits_rows_", &mask_logits_rows_);
-  m.impl("decode_layers_f32", &decode_layers_f32);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  m.impl("decode_layers_bf16", &decode_layers_bf16);
-#endif
+  m.impl("decode_layers", &decode_layers);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   m.impl("gemv_bf16", &gemv_bf16);
 #endif
