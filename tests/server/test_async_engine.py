@@ -134,9 +134,18 @@ def test_queue_limit(tiny_model_dir):
 def test_dead_loop_fails_pending_and_refuses_new(tiny_model_dir):
     eng = _engine(tiny_model_dir, stall_timeout=1.0)
 
+    async def stream(rid, prompt, started):
+        last = None
+        async for out in eng.generate(rid, prompt, LONG):
+            last = out
+            started.set()
+        return last
+
     async def run():
-        tasks = [asyncio.create_task(_final(eng, f"p{i}", p, LONG)) for i, p in enumerate(PROMPTS)]
-        await asyncio.sleep(0.3)
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.create_task(stream(f"p{i}", p, ev)) for i, (p, ev) in enumerate(zip(PROMPTS, started))]
+        # kill the loop once every request is generating (a fixed wait let fast steps finish all 400 tokens)
+        await asyncio.gather(*(ev.wait() for ev in started))
         eng.inject_fault(FaultKind.KILL_LOOP)
         t0 = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
