@@ -159,3 +159,14 @@ def test_forced_tiles_apply_to_their_exact_shapes_only_and_typos_are_errors(monk
         gemv._config(4096, 12288)
     monkeypatch.delenv("TALLYSERVE_GEMV_TILES")
     assert gemv._config(4096, 12288) == default_down
+
+
+def test_swept_tiles_per_preset_shape():
+    pytest.importorskip("triton")
+    from tallyserve.models import gemv
+
+    # the H200 sweeps' winners: Qwen3-8B's gate/up, Llama-3-8B's gate/up, down up to 4096 outputs, Nemo's down
+    assert gemv._config(24576, 4096) == (16, 512, 4)
+    assert gemv._config(28672, 4096) == (16, 256, 4)
+    assert gemv._config(4096, 12288) == (8, 1024, 4) and gemv._config(4096, 14336) == (8, 1024, 4)
+    assert gemv._config(5120, 14336) == (8, 512, 4)
