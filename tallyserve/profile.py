@@ -5,11 +5,22 @@ Grid axes (see `sim.cost_model.ProfileCostModel`): `batch_size` requests per ste
 `context_len` tokens already in the KV cache; every request computes one new token except the
 first, which computes `1 + extra_tokens` (a prefill chunk riding with decode rows). A step is
 timed from the frozen SchedulerOutput to sampled tokens: batch build, forward pass, sampling.
+Per grid point the profile holds:
+- `step_time_s`: the step on its own (host, then device: what a step launched with nothing in
+  flight costs), and `host_time_s`, its host part (build and launch until the launch returns);
+- `stream_time_s`: the step's period when launched back to back as the engine's async loop
+  launches its steps (step N+1 built and launched before step N's results are read), so the host
+  part of one step runs while the device computes the one before.
+And once, `prefill_pair_time_s`: seconds per causal query-key pair of prefill attention, from
+steps of the grid's largest chunk split over 1, 2, 4 and 8 requests (the same tokens, fewer pairs;
+the least-squares slope of time over pairs). The grid's extra tokens are one request's chunk, so
+this is what prices a step of the same size split over several prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -20,15 +31,16 @@ from tqdm.auto import tqdm
 
 from tallyserve.core.kv_cache_manager import cdiv
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from tallyserve.request import PLACEHOLDER_TOKEN_ID
 from tallyserve.sampling_params import SamplingParams
 
 
-def _step_output(batch_size: int, extra: int, context: int, block_size: int, num_blocks: int) -> SchedulerOutput:
-    """A synthetic step; block ids wrap around the pool (contents do not matter for timing)."""
+def rows_output(rows: Sequence[tuple[int, int]], block_size: int, num_blocks: int) -> SchedulerOutput:
+    """A synthetic step of (new tokens, tokens already cached) rows, every row sampled; block ids
+    wrap around the pool (contents do not matter for timing)."""
     greedy = SamplingParams(temperature=0.0)
     entries, next_block = [], 0
-    for i in range(batch_size):
-        n = 1 + (extra if i == 0 else 0)
+    for i, (n, context) in enumerate(rows):
         blocks = []
         for _ in range(cdiv(context + n, block_size)):
             blocks.append(next_block % num_blocks)
@@ -39,6 +51,12 @@ def _step_output(batch_size: int, extra: int, context: int, block_size: int, num
         ))
     total = sum(e.num_tokens for e in entries)
     return SchedulerOutput(step_id=0, requests=tuple(entries), total_tokens=total, max_num_batched_tokens=total)
+
+
+def grid_step(batch_size: int, extra: int, context: int, block_size: int, num_blocks: int) -> SchedulerOutput:
+    """The grid's step: ``batch_size`` requests with ``context`` tokens cached, one new token each,
+    the first ``1 + extra``."""
+    return rows_output([(1 + (extra if i == 0 else 0), context) for i in range(batch_size)], block_size, num_blocks)
 
 
 def _sync(device: torch.device) -> None:
@@ -66,6 +84,52 @@ def time_step(engine, so: SchedulerOutput, repeats: int) -> tuple[float, float]:
     return statistics.median(totals), statistics.median(hosts)
 
 
+def time_stream(engine, so: SchedulerOutput, repeats: int) -> float:
+    """Median period of the step launched back to back ``repeats + 2`` times as the engine core's
+    async loop launches steps: step N+1 built (against step N's handle) and launched, then step N's
+    results read. As in that loop, step N+1's one-token rows are placeholders the device fills from
+    step N's sampled tokens. The periods counted are those of steps whose successor was launched
+    first."""
+    executor, device = engine.executor, engine.device
+    follow = dataclasses.replace(so, async_scheduled=True, requests=tuple(
+        e._replace(token_ids=(PLACEHOLDER_TOKEN_ID,)) if e.num_tokens == 1 else e for e in so.requests))
+    _sync(device)
+    handle = executor.launch(so, executor.prepare(so, None), None)
+    done = []
+    for _ in range(repeats + 1):
+        nxt = executor.launch(follow, executor.prepare(follow, handle), handle)
+        handle.result()
+        done.append(time.perf_counter())
+        handle = nxt
+    handle.result()
+    _sync(device)
+    return statistics.median([b - a for a, b in zip(done, done[1:])])
+
+
+def measure_pair_time(engine, tokens: int, repeats: int) -> dict:
+    """Seconds per causal query-key pair of prefill attention: ``tokens`` new tokens from position 0
+    as one request, then split evenly over 2, 4 and 8 (chunks of at least 2 tokens), timed on their
+    own; the least-squares slope of step time over ``StepShape.extra_attn_pairs`` (>= 0). The split
+    steps also sample up to 8 rows instead of one."""
+    from tallyserve.sim.cost_model import StepShape
+
+    cc = engine.config.cache_config
+    splits = [k for k in (1, 2, 4, 8) if tokens // k >= 2]
+    pairs, times = [], []
+    for k in splits:
+        rows = [(tokens // k + (1 if i < tokens % k else 0), 0) for i in range(k)]
+        so = rows_output(rows, cc.block_size, cc.num_blocks)
+        pairs.append(StepShape.of(so).extra_attn_pairs)
+        times.append(time_step(engine, so, repeats)[0])
+    slope = 0.0
+    if len(splits) > 1:
+        mp, mt = statistics.fmean(pairs), statistics.fmean(times)
+        var = sum((p - mp) ** 2 for p in pairs)
+        slope = max(0.0, sum((p - mp) * (t - mt) for p, t in zip(pairs, times)) / var) if var else 0.0
+    return {"prefill_pair_time_s": slope,
+            "prefill_split": {"tokens": tokens, "requests": splits, "extra_attn_pairs": pairs, "step_time_s": times}}
+
+
 def _memory_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[1])
@@ -86,21 +150,26 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
                          f"exceeds max_model_len {max_len}")
     cc = engine.config.cache_config
     bar = tqdm(total=len(batch_sizes) * len(extra_tokens) * len(context_lens), desc="profile", disable=not progress)
-    table, host_table = [], []
+    table, host_table, stream_table = [], [], []
     for b in batch_sizes:
-        rows, host_rows = [], []
+        rows, host_rows, stream_rows = [], [], []
         for e in extra_tokens:
-            cells, host_cells = [], []
+            cells, host_cells, stream_cells = [], [], []
             for c in context_lens:
-                total, host = time_step(engine, _step_output(b, e, c, cc.block_size, cc.num_blocks), repeats)
+                so = grid_step(b, e, c, cc.block_size, cc.num_blocks)
+                total, host = time_step(engine, so, repeats)
                 cells.append(total)
                 host_cells.append(host)
+                stream_cells.append(time_stream(engine, so, repeats))
                 bar.update(1)
             rows.append(cells)
             host_rows.append(host_cells)
+            stream_rows.append(stream_cells)
         table.append(rows)
         host_table.append(host_rows)
+        stream_table.append(stream_rows)
     bar.close()
+    pairs = measure_pair_time(engine, extra_tokens[-1] + 1, repeats) if extra_tokens[-1] > 0 else {}
     dev = engine.device
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -114,6 +183,8 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
         "context_len": list(context_lens),
         "step_time_s": table,
         "host_time_s": host_table,
+        "stream_time_s": stream_table,
+        **pairs,
     }
 
 

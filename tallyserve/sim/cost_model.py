@@ -82,6 +82,20 @@ class StepShape:
         """KV tokens attention reads: each request's context, the shared prefix only once."""
         return self.context_tokens - max(self.num_requests - 1, 0) * self.shared_prefix_tokens
 
+    @property
+    def cached_len(self) -> float:
+        """Mean KV tokens per request already in the cache before the step (the shared prefix of
+        cascade attention counted once): a profile's ``context_len`` coordinate. The step's own new
+        tokens are not part of it: a grid step of ``context_len`` c maps back to c."""
+        return (self.kv_read_tokens - self.num_tokens) / max(self.num_requests, 1)
+
+    @property
+    def extra_attn_pairs(self) -> int:
+        """Causal query-key pairs beyond those of one query token per request: the attention of the
+        prefill chunks (a row of n tokens from position s has n s + n (n + 1) / 2 pairs; one decode
+        token has s + 1, which this leaves out)."""
+        return self.attn_pairs - (self.context_tokens - self.num_tokens) - self.num_requests
+
     @classmethod
     def of(cls, so: SchedulerOutput, block_size: int = 0, cascade: bool = False) -> "StepShape":
         """``cascade``: the engine attends a prefix every decode row shares once (as the GPU engine
@@ -205,7 +219,9 @@ class RooflineCostModel:
             t += gather_time(logits_bytes, tp, hw.link_bandwidth, hw.collective_latency_s)
         return t
 
-    def step_time(self, s: StepShape) -> float:
+    def step_time(self, s: StepShape, overlapped: Optional[bool] = None) -> float:
+        """``overlapped`` (launched while another step runs) changes nothing: the roofline prices
+        the device's work, and its per-step overhead stands for the host's."""
         hw, m = self.hw, self.shape
         lin_flops = 2.0 * m.linear_params * s.num_tokens + 2.0 * m.lm_head_params * s.num_sampled
         lin_bytes = BF16_BYTES * (m.linear_params + (m.lm_head_params if s.num_sampled else 0))
@@ -247,16 +263,35 @@ def _lerp(a: float, b: float, f: float) -> float:
     return b + (f - 1.0) * max(b - a, 0.0)
 
 
+def grid_extra_attn_pairs(extra_tokens: float, context_len: float) -> float:
+    """``StepShape.extra_attn_pairs`` of a profile's grid step: every request has ``context_len``
+    tokens cached and the first computes ``1 + extra_tokens`` (`tallyserve.profile`), so all the
+    prefill attention is one chunk's: e c + (e + 1)(e + 2) / 2 - 1."""
+    e, c = extra_tokens, context_len
+    return e * c + e * (e + 3) / 2
+
+
 class ProfileCostModel:
     """Interpolation of measured step times, one axis after another (linear inside the grid,
     non-decreasing linear extrapolation past its far edges, clamped below its near edges).
 
     A profile holds axes `batch_size` (requests in the step), `extra_tokens` (new tokens beyond
-    one per request, i.e. prefill tokens) and `context_len` (mean KV length per request), and
-    `step_time_s[b][e][c]` over their product: one step measured on its own, host and device in
-    turn. With async scheduling (`async_scheduling = True`, which the simulator sets from its mode)
-    the host part of a step (`host_time_s`, when the profile has it) runs while the device
-    computes the step before, so a step in the stream costs max(host, total - host).
+    one per request, i.e. prefill tokens) and `context_len` (KV tokens cached per request before
+    the step), and `step_time_s[b][e][c]` over their product: one step measured on its own, host
+    and device in turn. A step is looked up at (requests, tokens - requests, `StepShape.cached_len`),
+    so a grid step prices at its own measurement.
+
+    Prefill attention: a grid step's extra tokens are one request's chunk, whose causal attention
+    grows with the square of its length; a step of the same size split over several prompts
+    attends far fewer query-key pairs. With `prefill_pair_time_s` (seconds per pair, measured by
+    `tallyserve profile`) each grid point's own pairs (`grid_extra_attn_pairs`) are priced out
+    before interpolating and the step's own (`StepShape.extra_attn_pairs`) priced in.
+
+    Async scheduling (`async_scheduling = True`, which the simulator sets from its mode): a step
+    launched while the one before is still on the device costs its period in that stream,
+    measured as `stream_time_s` (the step launched back to back, as the engine's async loop does);
+    a profile without it takes max(host, total - host) from `host_time_s`. A step launched with
+    nothing in flight (`overlapped=False`) costs its measured total.
     A step whose decode rows share a prefix (cascade attention, see ``StepShape.kv_read_tokens``) is
     looked up at the context length that reads as much KV: the grid's steps share nothing.
     """
@@ -273,13 +308,18 @@ class ProfileCostModel:
             if not axis or any(b <= a for a, b in zip(axis, axis[1:])):
                 raise ValueError("profile axes must be non-empty and strictly increasing")
         shape = (len(self.axes[0]), len(self.axes[1]), len(self.axes[2]))
-        if len(self.table) != shape[0] or any(len(r) != shape[1] or any(len(c) != shape[2] for c in r)
-                                              for r in self.table):
+        if not _has_shape(self.table, shape):
             raise ValueError(f"profile step_time_s must have shape {shape}")
         self.host_table = profile.get("host_time_s")
-        if self.host_table is not None and (len(self.host_table) != shape[0] or any(
-                len(r) != shape[1] or any(len(c) != shape[2] for c in r) for r in self.host_table)):
-            raise ValueError(f"profile host_time_s must have shape {shape}")
+        self.stream_table = profile.get("stream_time_s")
+        for key, table in (("host_time_s", self.host_table), ("stream_time_s", self.stream_table)):
+            if table is not None and not _has_shape(table, shape):
+                raise ValueError(f"profile {key} must have shape {shape}")
+        pair_time = profile.get("prefill_pair_time_s")
+        if pair_time is not None and not (isinstance(pair_time, (int, float)) and math.isfinite(pair_time)
+                                          and pair_time >= 0):
+            raise ValueError(f"profile prefill_pair_time_s must be a number >= 0, got {pair_time!r}")
+        self.pair_time = float(pair_time or 0.0)
         self.mem_bytes = float(profile.get("memory_bytes") or HARDWARE["h200"].mem_bytes)
         self.name = f"profile:{profile.get('device', 'unknown')}"
         # the engine profiled uses cascade attention unless it ran on the CPU (whose backend has none)
@@ -289,20 +329,30 @@ class ProfileCostModel:
         self.host_bandwidth = float(profile.get("host_bandwidth") or HARDWARE["h200"].host_bandwidth)
         self.mem_bandwidth = float(profile.get("mem_bandwidth") or HARDWARE["h200"].mem_bandwidth)
 
-    def step_time(self, s: StepShape) -> float:
+    def step_time(self, s: StepShape, overlapped: Optional[bool] = None) -> float:
+        """``overlapped``: launched while another step is on the device (None: whenever the
+        simulator runs async scheduling)."""
         b = max(s.num_requests, 1)
         (bi, bf), (ei, ef), (ci, cf) = (_locate(axis, x) for axis, x in
-                                        zip(self.axes, (b, s.num_tokens - s.num_requests, s.kv_read_tokens / b)))
+                                        zip(self.axes, (b, s.num_tokens - s.num_requests, s.cached_len)))
         nb, ne, nc = (min(1, len(a) - 1) for a in self.axes)  # 0 on a single-point axis
-
-        overlap = self.async_scheduling and self.host_table is not None
+        if overlapped is None:
+            overlapped = self.async_scheduling
+        stream = self.stream_table if overlapped else None
+        host = self.host_table if overlapped else None
+        extra_axis, ctx_axis, pair_time = self.axes[1], self.axes[2], self.pair_time
+        step_pairs = s.extra_attn_pairs
 
         def cell(i: int, j: int, k: int) -> float:
+            # the step's own prefill attention in place of the grid point's
+            attn = pair_time * (step_pairs - grid_extra_attn_pairs(extra_axis[j], ctx_axis[k])) if pair_time else 0.0
             total = self.table[i][j][k]
-            if not overlap:
-                return total
-            host = self.host_table[i][j][k]
-            return max(host, total - host)
+            if stream is not None:
+                return max(host[i][j][k] if host is not None else 0.0, stream[i][j][k] + attn)
+            if host is not None:
+                h = host[i][j][k]
+                return max(h, total - h + attn)
+            return total + attn
 
         def along_c(i: int, j: int) -> float:
             return _lerp(cell(i, j, ci), cell(i, j, ci + nc), cf)
@@ -312,6 +362,14 @@ class ProfileCostModel:
 
         moves = transfer_time(self.shape, self.host_bandwidth, self.mem_bandwidth, s) if self.shape else 0.0
         return max(_lerp(along_e(bi), along_e(bi + nb), bf), 1e-7) + moves
+
+
+def _has_shape(table, shape: tuple[int, int, int]) -> bool:
+    try:
+        return len(table) == shape[0] and all(len(r) == shape[1] and all(len(c) == shape[2] for c in r)
+                                              for r in table)
+    except TypeError:
+        return False
 
 
 def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_size: int = 1,

@@ -161,9 +161,12 @@ class Simulator:
         self._advance(live.conv, now)
 
     # ----------------------------------------------------------------- one step
-    def _record_step(self, so: SchedulerOutput) -> float:
-        """Price a launched step on the virtual clock; returns when it ends."""
-        dt = self.cost.step_time(StepShape.of(so, self.config.cache_config.block_size, self.cascade))
+    def _record_step(self, so: SchedulerOutput, overlapped: bool = False) -> float:
+        """Price a launched step on the virtual clock; returns when it ends. ``overlapped``: it was
+        launched while the step before was still in flight (async scheduling), so its host part ran
+        during that step's device part; a step launched with nothing in flight pays both in turn."""
+        shape = StepShape.of(so, self.config.cache_config.block_size, self.cascade)
+        dt = self.cost.step_time(shape, overlapped=self.async_scheduling and overlapped)
         self.now += dt
         self.busy_s += dt
         self._step_end[so.step_id] = self.now

@@ -8,7 +8,7 @@ import pytest
 
 from tallyserve.sim.cli import load_model_config
 from tallyserve.sim.cost_model import (HARDWARE, ModelShape, ProfileCostModel, RooflineCostModel, StepShape,
-                                       load_cost_model)
+                                       grid_extra_attn_pairs, load_cost_model)
 
 
 def _shape(tokens, requests, ctx, sampled=None):
@@ -54,8 +54,9 @@ def test_profile_interpolates_and_extrapolates_linearly(tmp_path):
     cost = load_cost_model(str(path), load_model_config("llama-3-8b"))
     assert isinstance(cost, ProfileCostModel) and cost.mem_bytes == 1e9
     for b, e, c in [(1, 0, 0), (4, 100, 1000), (2, 50, 300), (8, 400, 5000), (3, 10, 10)]:
+        # b requests with c tokens cached each, computing b + e tokens: each attends its cache and its new tokens
         shape = StepShape(num_tokens=b + e, num_requests=b, num_decode_rows=0, num_sampled=b,
-                          context_tokens=b * c, attn_pairs=0)
+                          context_tokens=b * c + b + e, attn_pairs=0)
         assert cost.step_time(shape) == pytest.approx(f(b, e, c), rel=1e-9)
 
 
@@ -111,3 +112,64 @@ def test_cascade_attention_reads_a_shared_prefix_once():
     saved = cost.step_time(plain) - cost.step_time(cascade)
     assert saved == pytest.approx(2880 * ModelShape.of(mc).kv_bytes_per_token / HARDWARE["h200"].mem_bandwidth,
                                   rel=1e-9)
+
+
+GRID = {"batch_size": [1, 4, 16], "extra_tokens": [0, 96, 512], "context_len": [0, 64, 300]}
+
+
+def _grid_profile(f, **extra):
+    table = [[[f(b, e, c) for c in GRID["context_len"]] for e in GRID["extra_tokens"]] for b in GRID["batch_size"]]
+    return dict(GRID, step_time_s=table, device="test", **extra)
+
+
+def test_grid_steps_price_at_their_own_measurement():
+    """A step shaped like a grid point (what `tallyserve profile` timed there) costs that point's
+    time: its context coordinate is the KV cached before the step, not counting its own tokens."""
+    from tallyserve.profile import grid_step
+
+    def f(b, e, c):  # anything: an exact grid point needs no interpolation
+        return 0.002 + 0.001 * ((7 * b + 3 * e + c) % 11)
+
+    for extra in ({}, {"prefill_pair_time_s": 3e-9}):
+        cost = ProfileCostModel(_grid_profile(f, **extra))
+        for b in GRID["batch_size"]:
+            for e in GRID["extra_tokens"]:
+                for c in GRID["context_len"]:
+                    shape = StepShape.of(grid_step(b, e, c, 16, 1000))
+                    assert shape.cached_len == c and shape.num_tokens - shape.num_requests == e
+                    assert shape.extra_attn_pairs == grid_extra_attn_pairs(e, c)
+                    assert cost.step_time(shape) == pytest.approx(f(b, e, c), rel=1e-12), (b, e, c, extra)
+
+
+def _mixed_step(rows):
+    """A SchedulerOutput of (new tokens, cached tokens) rows."""
+    from tallyserve.profile import rows_output
+
+    return rows_output(rows, 16, 10_000)
+
+
+def test_prefill_attention_is_priced_by_the_step_own_pairs():
+    """The grid's extra tokens are one request's chunk (attention quadratic in its length). A step
+    whose prefill tokens are several short prompts attends far fewer pairs: with the profile's
+    measured seconds per pair, the grid's pairs are priced out and the step's own priced in."""
+    alpha, per_token, per_kv, per_pair = 2e-3, 20e-6, 50e-9, 40e-9
+
+    def f(b, e, c):  # linear costs plus the grid step's own prefill attention
+        return alpha + per_token * (b + e) + per_kv * b * c + per_pair * grid_extra_attn_pairs(e, c)
+
+    steps = [
+        [(200, 0), (150, 0), (90, 0)],  # pure prefill: three prompts
+        [(120, 0), (60, 40)] + [(1, 250)] * 6,  # two chunks (one over a cached prefix) and six decode rows
+        [(1, 10), (1, 200), (1, 290)],  # decode only
+        [(300, 0), (250, 0)] + [(1, 100)] * 12,  # past the extra-tokens edge: linear in the tokens
+    ]
+    cost = ProfileCostModel(_grid_profile(f, prefill_pair_time_s=per_pair))
+    plain = ProfileCostModel(_grid_profile(f))
+    for rows in steps:
+        s = StepShape.of(_mixed_step(rows))
+        want = alpha + per_token * s.num_tokens + per_kv * s.num_requests * s.cached_len + per_pair * s.extra_attn_pairs
+        assert cost.step_time(s) == pytest.approx(want, rel=1e-9), rows
+        if any(n > 1 for n, _ in rows):  # without the rate the grid's one long chunk is charged
+            assert plain.step_time(s) > want * 1.05, rows
+    with pytest.raises(ValueError, match="prefill_pair_time_s"):
+        ProfileCostModel(_grid_profile(f, prefill_pair_time_s=-1.0))

@@ -22,6 +22,12 @@ def test_profile_then_simulate(tiny_dir, tmp_path):
     pairs = [(t, h) for pt, ph in zip(data["step_time_s"], data["host_time_s"]) for rt, rh in zip(pt, ph)
              for t, h in zip(rt, rh)]
     assert len(pairs) == 8 and all(0 < h <= t for t, h in pairs)  # the host part of each measured step
+    assert all(t > 0 for plane in data["step_time_s"] for row in plane for t in row)
+    assert all(t > 0 for plane in data["stream_time_s"] for row in plane for t in row)  # back to back, async
+    split = data["prefill_split"]  # the largest chunk (17 tokens) as 1, 2, 4 and 8 requests
+    assert split["tokens"] == 17 and split["requests"] == [1, 2, 4, 8] and len(split["step_time_s"]) == 4
+    assert split["extra_attn_pairs"] == sorted(split["extra_attn_pairs"], reverse=True)
+    assert data["prefill_pair_time_s"] >= 0
     out = tmp_path / "sim.json"
     rc = main(["simulate", "--model-config", tiny_dir, "--hardware", str(prof), "--workload", "random",
                "--num-requests", "12", "--random-input-len", "20", "--random-output-len", "5",
@@ -81,3 +87,42 @@ def test_simulator_tells_the_profile_its_mode():
         cost = ProfileCostModel(profile)
         Simulator(config, cost, SimOptions(async_scheduling=mode))
         assert cost.async_scheduling is mode
+
+
+def test_async_stream_time_and_a_step_launched_with_nothing_in_flight():
+    """With a measured stream period, a step launched while another runs costs max(host, period);
+    one launched with nothing in flight (the run's first, or the first after an idle gap) pays its
+    host and device parts in turn: its measured total."""
+    profile = {"batch_size": [1, 8], "extra_tokens": [0], "context_len": [0],
+               "step_time_s": [[[0.010]], [[0.030]]], "host_time_s": [[[0.004]], [[0.004]]],
+               "stream_time_s": [[[0.007]], [[0.0265]]]}
+    shape = lambda b: StepShape(b, b, b, b, b, b)  # noqa: E731
+    cost = ProfileCostModel(profile)
+    cost.async_scheduling = True
+    assert cost.step_time(shape(1)) == pytest.approx(0.007)
+    assert cost.step_time(shape(8)) == pytest.approx(0.0265)
+    assert cost.step_time(shape(1), overlapped=False) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="stream_time_s"):
+        ProfileCostModel({**profile, "stream_time_s": [[[0.1]]]})
+
+
+def test_simulator_prices_a_step_after_idle_at_its_total():
+    """Async simulation: a request's first step starts from an idle engine (nothing in flight), so
+    its first token comes after the step's measured total; the steps after it run in the stream."""
+    from tallyserve.bench.workloads import RequestSpec, Workload
+    from tallyserve.config import EngineArgs
+    from tallyserve.sim.cli import engine_config_for, load_model_config
+    from tallyserve.sim.simulator import SimOptions, Simulator
+
+    profile = {"batch_size": [1], "extra_tokens": [0], "context_len": [0], "step_time_s": [[[0.010]]],
+               "host_time_s": [[[0.004]]], "stream_time_s": [[[0.007]]]}
+    config = engine_config_for(EngineArgs(num_gpu_blocks_override=64, block_size=8), load_model_config("llama-3-8b"),
+                               141e9)
+    work = Workload("t", [RequestSpec("a", 3, prompt_token_ids=[20, 21, 22, 23, 24], arrival_s=0.0),
+                          RequestSpec("b", 3, prompt_token_ids=[30, 31, 32], arrival_s=1.0)])
+    res = Simulator(config, ProfileCostModel(profile), SimOptions(async_scheduling=True)).run(work)
+    for rec in res.records:
+        assert rec.ttft_s == pytest.approx(0.010)  # the first step after idle: host + device in turn
+        assert rec.latency_s == pytest.approx(0.010 + 2 * 0.007)  # two more steps, each behind the one before
+    sync = Simulator(config, ProfileCostModel(profile), SimOptions(async_scheduling=False)).run(work)
+    assert [r.latency_s for r in sync.records] == pytest.approx([0.030, 0.030])
