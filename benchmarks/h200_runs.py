@@ -60,8 +60,11 @@ def _allocator_counts() -> dict:
     return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")}
 
 
-def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) -> dict:
-    """Add every prompt, step until all finish (or the deadline: then abort the rest)."""
+def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, record_steps: bool = False) -> dict:
+    """Add every prompt, step until all finish (or the deadline: then abort the rest).
+    ``record_steps``: also return every launched step (``steps``: its shape, host launch time,
+    when its results were in and the period since the step before's) and each request's TTFT
+    (``ttft_s``, in prompt order), for benchmarks/sim_fidelity.py."""
     from tallyserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -71,6 +74,8 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, params)
+    loop_start = time.perf_counter()
+    steps = _StepRecorder(engine.core, start) if record_steps else None
     done, out_tokens, timed_out = set(), 0, False
     runner, seen, step_log = engine.runner, [], []
     forward = runner._forward
@@ -111,6 +116,8 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     wall = time.perf_counter() - start
     del runner._forward  # the method again
     del engine._emit_tokens
+    if steps is not None:
+        steps.stop()
     prompt_tokens = sum(len(p) for p in prompts)
     res = {"requests": len(prompts), "completed": len(done), "prompt_tokens": prompt_tokens,
            "output_tokens": out_tokens, "wall_s": wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
@@ -118,6 +125,10 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     res.update(_delta(before, _snapshot(engine)))
     res["step_profile"] = _step_profile(step_log)
     res["latency_ms"] = _latencies(token_times, start)
+    res["add_s"] = loop_start - start  # adding the requests, before the first step (in every TTFT)
+    if steps is not None:
+        res["steps"] = steps.records(engine, loop_start - start)
+        res["ttft_s"] = [token_times[rid][0] - start if token_times.get(rid) else None for rid in ids]
     # the caching allocator during the run: retries (it freed its cache and asked the driver again,
     # a device sync each) and driver allocations show a step that paid for memory
     res["cuda_allocator"] = {k: v - alloc_before.get(k, 0) for k, v in _allocator_counts().items()}
@@ -125,6 +136,63 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str) ->
     res["ledger_ok"] = (s.get("scheduled_tokens") == s.get("forward_tokens")
                         and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
     return res
+
+
+class _StepRecorder:
+    """Wraps an EngineCore's launch and completion to note, per launched step, its SchedulerOutput,
+    whether a step was in flight when it launched, its host launch time (transfers, batch build,
+    ledger check, forward and sampling queued) and when its results reached the host (before the
+    scheduler's update). Seconds are since ``start``; the shapes are computed after the run."""
+
+    def __init__(self, core, start: float) -> None:
+        self.core, self.start = core, start
+        self.launched: dict = {}  # step id -> (SchedulerOutput, overlapped, launch start, launch seconds)
+        self.results: dict = {}  # step id -> when its results were in
+        launch, complete = core._launch, core._complete
+
+        def timed_launch(so, scheduled):
+            overlapped = core.inflight is not None
+            t0 = time.perf_counter()
+            out = launch(so, scheduled)
+            self.launched[so.step_id] = (so, overlapped, t0 - start, time.perf_counter() - t0)
+            return out
+
+        def timed_complete(launched):
+            t0, wait0 = time.perf_counter(), core.timings["wait"]
+            out = complete(launched)
+            self.results[launched.so.step_id] = t0 + core.timings["wait"] - wait0 - start
+            return out
+
+        core._launch, core._complete = timed_launch, timed_complete
+
+    def stop(self) -> None:
+        del self.core._launch, self.core._complete  # the methods again
+
+    def records(self, engine, loop_start_s: float) -> list:
+        from dataclasses import asdict
+
+        from tallyserve.sim.cost_model import StepShape
+
+        block_size = engine.config.cache_config.block_size
+        cascade = bool(getattr(engine.runner, "use_cascade_attn", False))
+        out, prev_done = [], loop_start_s
+        for sid in sorted(self.launched):
+            so, overlapped, at, launch_s = self.launched[sid]
+            done = self.results.get(sid)
+            shape = StepShape.of(so, block_size, cascade)
+            prefill = sum(e.num_tokens for e in so.requests if e.num_tokens > 1)
+            kind = ("decode" if shape.num_decode_rows == shape.num_requests
+                    else "prefill" if shape.num_decode_rows == 0 else "mixed")
+            out.append({"step": sid, "kind": kind, "reqs": shape.num_requests, "tokens": shape.num_tokens,
+                        "prefill_tokens": prefill, "kv_read_tokens": shape.kv_read_tokens,
+                        "overlapped": overlapped, "launch_at_s": round(at, 6), "launch_ms": round(launch_s * 1e3, 3),
+                        "done_s": None if done is None else round(done, 6),
+                        "period_ms": None if done is None else round((done - prev_done) * 1e3, 3),
+                        "rows": [(e.request_id, e.num_tokens, e.start_position) for e in so.requests],
+                        "shape": asdict(shape)})
+            if done is not None:
+                prev_done = done
+        return out
 
 
 def _latencies(token_times: dict, start: float) -> dict:

@@ -4,18 +4,29 @@
     python3 benchmarks/h200_serving.py [--model llama-3-8b] [--scale 1.0] [--profile-repeats 2]
 
 1. offline   LLM(model, load_format="dummy"): warm-up, then h200_bench's mixed workload (256 requests,
-             256-1024 prompt tokens, 256 new, greedy, ignore_eos); makespan and ledger.
+             256-1024 prompt tokens, 256 new, greedy, ignore_eos); makespan and ledger. It runs twice
+             (`--offline-runs`): first with the prompts' tokens shifted (same lengths, no prefix hits;
+             `offline_first`: the process's first mixed run, which pays the first-run penalty of
+             docs/benchmarks.md), then the trace itself (`offline`). Every step of both is recorded:
+             its shape, host launch time and period (benchmarks/sim_fidelity.py).
 2. profile   `tallyserve profile`'s grid measured on the same engine (batch 1-256, extra prefill tokens
-             0-6800, context 0-1280): the step-time table `simulate --hardware` interpolates.
+             0-6800, context 0-1280): the step-time table `simulate --hardware` interpolates, the
+             stream periods of async scheduling, and the prefill attention's time per query-key pair.
+   steps     the cost model prices each recorded offline step (by kind: pure prefill, mixed, pure
+             decode); the simulator replays the trace in this process and its schedule is compared
+             with the engine's step by step; the engine's and the simulator's scheduler configs too.
 3. http      the engine is freed; `tallyserve serve` with the same model and defaults starts in a
              subprocess; `tallyserve bench` sends the very same token-id prompts (a JSONL trace, all at
              t=0, streaming) after a short warm-up. Goal: makespan within 3% of offline. The server's
              /metrics give its ledger (scheduled == forward tokens).
 4. simulate  `tallyserve simulate` replays the trace with the measured profile (and with the roofline
-             model); makespan and TTFT p50/p99 against the HTTP run and against the offline run (the
-             engine alone, which is what the simulator models). Goal: within 5%.
+             model); makespan and TTFT p50/p99 against the HTTP run and against the offline runs (the
+             engine alone, which is what the simulator models). Goal: within 5%. TTFT per request of
+             every run in ttft.json.
 
-Writes $OUT/h200_serving.json (and the trace, profile and bench/sim records) when $OUT is set.
+Writes $OUT/h200_serving.json (summaries), offline_steps.json (every step of the offline runs, with
+the cost model's prediction, and their step profiles), ttft.json, and the trace, profile and bench/sim
+records, when $OUT is set.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from h200_runs import mixed_prompts, run_requests  # noqa: E402
 from h200_checks import log  # noqa: E402
 from serving_overhead import _wait_healthy  # noqa: E402
+import sim_fidelity  # noqa: E402
 
 
 def _write_trace(path: Path, prompts, max_tokens: int) -> None:
@@ -107,6 +119,32 @@ def run_http(args, out_dir: Path, trace: Path, warm: Path, name: str, env: dict,
             and d["tallyserve_ledger_violations_total"] == 0}
 
 
+def compare_steps(args, engine, profile: dict, trace: Path, step_runs: dict, ttft: dict, results: dict) -> dict:
+    """The cost model on every recorded offline step, and the simulator's own run of the trace (in
+    this process): its schedule against the engine's, its TTFT per request, its configs and modes."""
+    from tallyserve.sim.cost_model import ProfileCostModel
+
+    cost = ProfileCostModel(profile, engine.model_config)
+    cost.async_scheduling = bool(engine.async_scheduling)
+    out = {key: sim_fidelity.step_report(run["steps"], cost, run["add_s"]) for key, run in step_runs.items()}
+    res, sim = sim_fidelity.simulate_trace(trace, profile, args.model, bool(engine.async_scheduling))
+    ttft["sim_inprocess"] = [r.ttft_s for r in res.records]
+    if "offline" in step_runs:
+        out["schedule"] = sim_fidelity.schedule_diff(step_runs["offline"]["steps"], res.steps, "offline-", "mixed-")
+    out["sim_inprocess_makespan_s"] = round(res.duration_s, 4)
+    cfg = engine.config
+    engine_sc = dict(cfg.scheduler_config.__dict__)
+    out["sched_config_sim_vs_engine"] = sim_fidelity.config_diff(dict(sim.config.scheduler_config.__dict__), engine_sc)
+    out["cache_config_sim_vs_engine"] = sim_fidelity.config_diff(dict(sim.config.cache_config.__dict__),
+                                                                 dict(cfg.cache_config.__dict__))
+    out["modes_sim_vs_engine"] = {
+        "async_scheduling": [sim.async_scheduling, bool(engine.async_scheduling)],
+        "cascade": [sim.cascade, bool(getattr(engine.runner, "use_cascade_attn", False))],
+        "preemptions": [res.stats["preemptions"], results.get("offline", {}).get("stats", {}).get("preemptions")]}
+    out["engine_scheduler_config"] = engine_sc  # compared with the CLI run's below, then dropped
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3-8b")
@@ -115,7 +153,10 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--profile-repeats", type=int, default=2)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--offline-runs", type=int, default=2, choices=(1, 2),
+                    help="2: a first mixed run (tokens shifted) before the trace's, which the simulator is compared with")
     ap.add_argument("--skip-sim", action="store_true")
+    ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--http-variant", action="append", default=[],
                     help="NAME:ENV=VAL;ENV=VAL (PYTHONPATH_PREPEND=DIR adds a site dir): one server run each; "
                     "the first is compared with the simulator (default: one run, no extra env)")
@@ -141,18 +182,29 @@ def main() -> int:
     max_len = engine.config.scheduler_config.max_model_len - 8
     for i, n in enumerate(min(n, max_len) for n in (2, 3, 6, 12, 24, 100, 700)):
         run_requests(engine, [rng.integers(0, vocab, size=n).tolist()] * 2, 4, far, f"warmup{i}")
-    if not args.skip_offline:
-        res = run_requests(engine, prompts, max_new, far, "offline")
-        res.pop("step_profile", None)
-        results["offline"] = res
-        log(f"offline: {res['wall_s']:.2f} s, ledger_ok {res['ledger_ok']}")
+    step_runs: dict = {}  # offline run -> its recorded steps (offline_steps.json)
+    ttft: dict = {}  # run -> TTFT of each request, in prompt order (ttft.json)
+    runs = [] if args.skip_offline else [("offline", prompts)]
+    if runs and args.offline_runs == 2:  # same lengths, other tokens: no prefix hits on the trace's
+        runs.insert(0, ("offline_first", [[(t + 17) % vocab for t in p] for p in prompts]))
+    for key, run_prompts in runs:
+        res = run_requests(engine, run_prompts, max_new, far, key, record_steps=True)
+        step_runs[key] = {"add_s": res["add_s"], "step_profile": res.pop("step_profile"), "steps": res.pop("steps")}
+        ttft[key] = res.pop("ttft_s")
+        results[key] = res
+        log(f"{key}: {res['wall_s']:.2f} s, TTFT p50 / p99 {res['latency_ms'].get('ttft_p50')} / "
+            f"{res['latency_ms'].get('ttft_p99')} ms, ledger_ok {res['ledger_ok']}")
     t0 = time.perf_counter()
     grid = ([1, 16, 64, 128, 256], [0, 256, 1024, 2048, 4096, 6800], [0, 512, 1280]) if args.scale >= 1 else \
         ([1, 2, 4], [0, 8, 32], [0, 16, 48])  # a smoke run on a small model
     profile = run_profile(engine, *grid, args.profile_repeats, progress=False)
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=1))
     results["profile_s"] = time.perf_counter() - t0
-    log(f"profile: {results['profile_s']:.1f} s")
+    log(f"profile: {results['profile_s']:.1f} s, prefill_pair_time_s {profile.get('prefill_pair_time_s')}")
+    if step_runs and not args.skip_sim:
+        results["steps"] = compare_steps(args, engine, profile, trace, step_runs, ttft, results)
+        log(f"steps: {json.dumps(results['steps'])}")
+    (out_dir / "offline_steps.json").write_text(json.dumps(step_runs))
     del engine, llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -160,7 +212,7 @@ def main() -> int:
     # 3: the same trace over HTTP, once per server variant (the first is "http")
     warm = out_dir / "warm_trace.jsonl"
     _write_trace(warm, [rng.integers(0, vocab, size=min(n, max_len)).tolist() for n in (2, 24, 100, 700, 300, 50)], 4)
-    for i, variant in enumerate(args.http_variant or ["default"]):
+    for i, variant in enumerate([] if args.skip_http else args.http_variant or ["default"]):
         name, _, envs = variant.partition(":")
         env = dict(kv.split("=", 1) for kv in envs.split(";") if kv)
         key = "http" if i == 0 else f"http_{name}"
@@ -177,20 +229,29 @@ def main() -> int:
         cli_main(["simulate", "--workload", f"file:{trace}", "--model-config", args.model, "--hardware", hw,
                   "--output", str(path), "--disable-tqdm"])
         sim = json.loads(path.read_text())
-        h = results["http"]
         results[tag] = {"makespan_s": sim["duration_s"], "ttft_p50_ms": sim["p50_ttft_ms"],
-                        "ttft_p99_ms": sim["p99_ttft_ms"],
-                        "err_makespan_pct": _pct_err(sim["duration_s"], h["duration_s"]),
-                        "err_ttft_p50_pct": _pct_err(sim["p50_ttft_ms"], h["ttft_p50_ms"]),
-                        "err_ttft_p99_pct": _pct_err(sim["p99_ttft_ms"], h["ttft_p99_ms"])}
-        off = results.get("offline")
-        if off and off.get("latency_ms", {}).get("ttft_p50") is not None:
-            # the engine the simulator models, without the HTTP path: the same trace run offline
-            lat = off["latency_ms"]
-            results[tag]["vs_offline"] = {"err_makespan_pct": _pct_err(sim["duration_s"], off["wall_s"]),
-                                          "err_ttft_p50_pct": _pct_err(sim["p50_ttft_ms"], lat["ttft_p50"]),
-                                          "err_ttft_p99_pct": _pct_err(sim["p99_ttft_ms"], lat["ttft_p99"])}
+                        "ttft_p99_ms": sim["p99_ttft_ms"]}
+        h = results.get("http")
+        if h:
+            results[tag].update(err_makespan_pct=_pct_err(sim["duration_s"], h["duration_s"]),
+                                err_ttft_p50_pct=_pct_err(sim["p50_ttft_ms"], h["ttft_p50_ms"]),
+                                err_ttft_p99_pct=_pct_err(sim["p99_ttft_ms"], h["ttft_p99_ms"]))
+        ttft[tag] = [r.get("ttft_s") for r in sim["requests"]]
+        for key in ("offline", "offline_first"):
+            off = results.get(key)
+            if off and off.get("latency_ms", {}).get("ttft_p50") is not None:
+                # the engine the simulator models, without the HTTP path: the same trace run offline
+                lat = off["latency_ms"]
+                results[tag][f"vs_{key}"] = {"err_makespan_pct": _pct_err(sim["duration_s"], off["wall_s"]),
+                                             "err_ttft_p50_pct": _pct_err(sim["p50_ttft_ms"], lat["ttft_p50"]),
+                                             "err_ttft_p99_pct": _pct_err(sim["p99_ttft_ms"], lat["ttft_p99"]),
+                                             "ttft": sim_fidelity.ttft_errors(ttft[key], ttft[tag])}
+        if tag == "sim_profile" and "steps" in results:
+            results["steps"]["sched_config_cli_vs_engine"] = sim_fidelity.config_diff(
+                sim["config"]["scheduler"], results["steps"].pop("engine_scheduler_config"))
         log(f"{tag}: {json.dumps(results[tag])}")
+    results.get("steps", {}).pop("engine_scheduler_config", None)
+    (out_dir / "ttft.json").write_text(json.dumps(ttft))
     results["total_s"] = time.perf_counter() - t_start
     (out_dir / "h200_serving.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2), flush=True)
