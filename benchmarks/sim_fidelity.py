@@ -162,15 +162,16 @@ def main() -> int:
     profile = json.loads(Path(args.profile or d / "profile.json").read_text())
     model = args.model or profile.get("model") or "llama-3-8b"
     cost = ProfileCostModel(profile, load_model_config(model))
-    cost.async_scheduling = True
     runs = json.loads((d / "offline_steps.json").read_text())
+    # the engine's mode: under async scheduling every step after the first launched with one in flight
+    cost.async_scheduling = any(s["overlapped"] for run in runs.values() for s in run["steps"])
     report = {}
     for name, run in runs.items():
         report[name] = step_report(run["steps"], cost, run.get("add_s", 0.0))
     trace = d / "mixed_trace.jsonl"
     ttft_path = d / "ttft.json"
     if trace.is_file() and "offline" in runs:
-        res, _ = simulate_trace(trace, profile, model)
+        res, _ = simulate_trace(trace, profile, model, cost.async_scheduling)
         report["schedule"] = schedule_diff(runs["offline"]["steps"], res.steps, "offline-", "mixed-")
         sim_ttft = [r.ttft_s for r in res.records]
         if ttft_path.is_file():
