@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from h200_checks import _median_ms, log  # noqa: E402
+from tallyserve.engine.gc_heap import frozen_heap  # noqa: E402
 
 HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # docs/benchmarks.md, H200, transformers generate_batch
 
@@ -76,7 +77,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
         engine.add_request(rid, {"prompt_token_ids": p}, params)
     loop_start = time.perf_counter()
     steps = _StepRecorder(engine.core, start) if record_steps else None
-    done, out_tokens, timed_out = set(), 0, False
+    done = set()
     runner, seen, step_log = engine.runner, [], []
     forward = runner._forward
 
@@ -98,21 +99,28 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
         token_times.setdefault(seq.request.request_id, []).extend([now] * (seq.num_emitted - before_n))
 
     engine._emit_tokens = timed_emit
-    while engine.has_unfinished_requests():
-        t_step = time.perf_counter()
-        outs = engine.step()
-        if seen:
-            step_log.append(seen.pop() + (time.perf_counter() - t_step,))
-            seen.clear()
-        for out in outs:
-            if out.finished and out.request_id not in done:
-                done.add(out.request_id)
-                out_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if time.perf_counter() > deadline:
-            timed_out = True
-            engine.abort_request([r for r in ids if r not in done])
-            engine.step()
-            break
+    # The engine's own loops (LLM.generate, the async server) step with the heap frozen
+    # (engine/gc_heap.py): a full collection walking the engine's long-lived objects stalls the host
+    # 150-270 ms (two such stalls in the H200 run of s12: one delayed 11 requests' first tokens by
+    # 142 ms, one added 256 ms to a decode step). This loop steps the engine itself, so it freezes
+    # the heap as they do, and notes every collection that still runs (``gc_pauses``).
+    gc_pauses, gc_t0, out_tokens_box, timed_out_box = [], [0.0], [0], [False]
+
+    def gc_note(phase, info):
+        if phase == "start":
+            gc_t0[0] = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            gc_pauses.append({"gen": info.get("generation"), "at_s": round(gc_t0[0] - start, 6),
+                              "ms": round((now - gc_t0[0]) * 1e3, 3)})
+
+    gc.callbacks.append(gc_note)
+    with frozen_heap():
+        try:
+            _step_loop(engine, ids, done, seen, step_log, deadline, out_tokens_box, timed_out_box)
+        finally:
+            gc.callbacks.remove(gc_note)
+    out_tokens, timed_out = out_tokens_box[0], timed_out_box[0]
     wall = time.perf_counter() - start
     del runner._forward  # the method again
     del engine._emit_tokens
@@ -125,6 +133,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
     res.update(_delta(before, _snapshot(engine)))
     res["step_profile"] = _step_profile(step_log)
     res["latency_ms"] = _latencies(token_times, start)
+    res["gc_pauses"] = gc_pauses  # collections during the loop (gen 2: a full one), when and how long
     res["add_s"] = loop_start - start  # adding the requests, before the first step (in every TTFT)
     if steps is not None:
         res["steps"] = steps.records(engine, loop_start - start)
@@ -137,6 +146,25 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
                         and s.get("ledger_violations", 0) == 0 and s.get("step_errors", 0) == 0)
     return res
 
+
+
+def _step_loop(engine, ids, done, seen, step_log, deadline, out_tokens_box, timed_out_box) -> None:
+    """Step until every request finished (or the deadline: then abort the rest)."""
+    while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
+        outs = engine.step()
+        if seen:
+            step_log.append(seen.pop() + (time.perf_counter() - t_step,))
+            seen.clear()
+        for out in outs:
+            if out.finished and out.request_id not in done:
+                done.add(out.request_id)
+                out_tokens_box[0] += sum(len(c.token_ids) for c in out.outputs)
+        if time.perf_counter() > deadline:
+            timed_out_box[0] = True
+            engine.abort_request([r for r in ids if r not in done])
+            engine.step()
+            break
 
 class _StepRecorder:
     """Wraps an EngineCore's launch and completion to note, per launched step, its SchedulerOutput,

@@ -189,7 +189,8 @@ def main() -> int:
         runs.insert(0, ("offline_first", [[(t + 17) % vocab for t in p] for p in prompts]))
     for key, run_prompts in runs:
         res = run_requests(engine, run_prompts, max_new, far, key, record_steps=True)
-        step_runs[key] = {"add_s": res["add_s"], "step_profile": res.pop("step_profile"), "steps": res.pop("steps")}
+        step_runs[key] = {"add_s": res["add_s"], "step_profile": res.pop("step_profile"), "steps": res.pop("steps"),
+                          "gc_pauses": res["gc_pauses"]}
         ttft[key] = res.pop("ttft_s")
         results[key] = res
         log(f"{key}: {res['wall_s']:.2f} s, TTFT p50 / p99 {res['latency_ms'].get('ttft_p50')} / "

@@ -168,6 +168,8 @@ def main() -> int:
     report = {}
     for name, run in runs.items():
         report[name] = step_report(run["steps"], cost, run.get("add_s", 0.0))
+        if "gc_pauses" in run:  # host stalls no cost model predicts (h200_runs freezes the heap since s12)
+            report[name]["gc_pauses"] = run["gc_pauses"]
     trace = d / "mixed_trace.jsonl"
     ttft_path = d / "ttft.json"
     if trace.is_file() and "offline" in runs:
