@@ -119,14 +119,27 @@ def run_http(args, out_dir: Path, trace: Path, warm: Path, name: str, env: dict,
             and d["tallyserve_ledger_violations_total"] == 0}
 
 
-def compare_steps(args, engine, profile: dict, trace: Path, step_runs: dict, ttft: dict, results: dict) -> dict:
-    """The cost model on every recorded offline step, and the simulator's own run of the trace (in
-    this process): its schedule against the engine's, its TTFT per request, its configs and modes."""
+def _cost(engine, profile: dict):
     from tallyserve.sim.cost_model import ProfileCostModel
 
     cost = ProfileCostModel(profile, engine.model_config)
     cost.async_scheduling = bool(engine.async_scheduling)
+    return cost
+
+
+def compare_steps(args, engine, profile: dict, trace: Path, step_runs: dict, ttft: dict, results: dict) -> dict:
+    """The cost model on every recorded offline step, and the simulator's own run of the trace (in
+    this process): its schedule against the engine's, its TTFT per request, its configs and modes.
+    ``by_kind_before``: the same steps priced without the decode steps' graph padding and uneven lengths
+    (the cost model of sim-fidelity2)."""
+    import copy
+
+    cost = _cost(engine, profile)
     out = {key: sim_fidelity.step_report(run["steps"], cost, run["add_s"]) for key, run in step_runs.items()}
+    plain = {k: v for k, v in profile.items() if k not in ("decode_spread", "cuda_graph_batch_sizes")}
+    for key, run in step_runs.items():
+        out[key]["by_kind_before"] = sim_fidelity.step_report(copy.deepcopy(run["steps"]), _cost(engine, plain),
+                                                              run["add_s"])["by_kind"]
     res, sim = sim_fidelity.simulate_trace(trace, profile, args.model, bool(engine.async_scheduling))
     ttft["sim_inprocess"] = [r.ttft_s for r in res.records]
     if "offline" in step_runs:
@@ -142,6 +155,55 @@ def compare_steps(args, engine, profile: dict, trace: Path, step_runs: dict, ttf
         "cascade": [sim.cascade, bool(getattr(engine.runner, "use_cascade_attn", False))],
         "preemptions": [res.stats["preemptions"], results.get("offline", {}).get("stats", {}).get("preemptions")]}
     out["engine_scheduler_config"] = engine_sc  # compared with the CLI run's below, then dropped
+    return out
+
+
+def spread_report(profile: dict) -> dict:
+    """The profile's uneven decode steps against the grid's even ones at the same mean context: the
+    stream period and the total, ms more, and ms per token of the longest length past the mean."""
+    sp = profile.get("decode_spread") or {}
+    out = {}
+    for i, b in enumerate(sp.get("batch_size", [])):
+        gi = profile["batch_size"].index(b)
+        for k, c in enumerate(sp["context_len"]):
+            ck = profile["context_len"].index(c)
+            mm = sp["max_minus_mean"][i][k]
+            row = {"max_minus_mean": round(mm, 1)}
+            for key in ("stream_time_s", "step_time_s"):
+                even, uneven = profile[key][gi][0][ck], sp[key][i][k]
+                row[key.split("_")[0] + "_ms"] = [round(even * 1e3, 3), round(uneven * 1e3, 3),
+                                                  round((uneven - even) * 1e3, 3)]
+            row["us_per_token"] = round((sp["stream_time_s"][i][k] - profile["stream_time_s"][gi][0][ck]) / mm * 1e6, 3)
+            out[f"b{b}_c{c}"] = row
+    return out
+
+
+def replay_decode(engine, steps: list, repeats: int, picks: int = 3) -> list:
+    """Recorded decode steps of the largest batch timed again as the profile times its steps (stream
+    period, contiguous block tables): their own lengths in their own order, the same lengths longest
+    first (the kernel's programs start in request order), and every request at the mean length. Next
+    to the measured period (median of the step and its 10 neighbours) and the prediction."""
+    from tallyserve.profile import rows_output, time_stream
+
+    cc = engine.config.cache_config
+    dec = [s for s in steps if s["kind"] == "decode"]
+    if not dec:
+        return []
+    top = max(s["reqs"] for s in dec)
+    full = [i for i, s in enumerate(steps) if s["kind"] == "decode" and s["reqs"] == top]
+    out = []
+    for j in sorted({full[int(q * (len(full) - 1))] for q in np.linspace(0.1, 0.9, picks)}):
+        s = steps[j]
+        ctx = [start for _, _, start in s["rows"]]
+        mean = round(sum(ctx) / len(ctx))
+        near = [t["period_ms"] for t in steps[max(0, j - 5): j + 6] if t["kind"] == "decode" and t["reqs"] == top]
+        row = {"step": s["step"], "reqs": len(ctx), "mean": mean, "min": min(ctx), "max": max(ctx),
+               "measured_ms": round(float(np.median(near)), 3), "predicted_ms": s.get("predicted_ms")}
+        for name, lens in (("own_order", ctx), ("longest_first", sorted(ctx, reverse=True)),
+                           ("shortest_first", sorted(ctx)), ("even", [mean] * len(ctx))):
+            so = rows_output([(1, n) for n in lens], cc.block_size, cc.num_blocks)
+            row[name + "_ms"] = round(time_stream(engine, so, repeats) * 1e3, 3)
+        out.append(row)
     return out
 
 
@@ -202,6 +264,13 @@ def main() -> int:
     (out_dir / "profile.json").write_text(json.dumps(profile, indent=1))
     results["profile_s"] = time.perf_counter() - t0
     log(f"profile: {results['profile_s']:.1f} s, prefill_pair_time_s {profile.get('prefill_pair_time_s')}")
+    log(f"profile graphs {profile.get('cuda_graph_batch_sizes')}; decode spread (even, uneven, diff): "
+        f"{json.dumps(spread_report(profile))}")
+    results["decode_spread"] = spread_report(profile)
+    if "offline" in step_runs:  # the recorded decode steps again, lengths as recorded, reordered, even
+        sim_fidelity.predict_steps(step_runs["offline"]["steps"], _cost(engine, profile))
+        results["decode_replay"] = replay_decode(engine, step_runs["offline"]["steps"], max(3, args.profile_repeats))
+        log(f"decode replay: {json.dumps(results['decode_replay'])}")
     if step_runs and not args.skip_sim:
         results["steps"] = compare_steps(args, engine, profile, trace, step_runs, ttft, results)
         log(f"steps: {json.dumps(results['steps'])}")

@@ -43,7 +43,10 @@ def predict_steps(steps: list, cost) -> None:
     from tallyserve.sim.cost_model import StepShape
 
     for s in steps:
-        s["predicted_ms"] = round(cost.step_time(StepShape(**s["shape"]), overlapped=s["overlapped"]) * 1e3, 3)
+        shape = dict(s["shape"])
+        if "max_seq_len" not in shape and s.get("rows"):  # recorded before StepShape had it
+            shape["max_seq_len"] = max(n + start for _, n, start in s["rows"])
+        s["predicted_ms"] = round(cost.step_time(StepShape(**shape), overlapped=s["overlapped"]) * 1e3, 3)
 
 
 def by_kind(steps: list) -> dict:

@@ -15,6 +15,13 @@ And once, `prefill_pair_time_s`: seconds per causal query-key pair of prefill at
 steps of the grid's largest chunk split over 1, 2, 4 and 8 requests (the same tokens, fewer pairs;
 the least-squares slope of time over pairs). The grid's extra tokens are one request's chunk, so
 this is what prices a step of the same size split over several prompts.
+Also, for pure decode steps (see `sim.cost_model.ProfileCostModel`):
+- `cuda_graph_batch_sizes`: the engine's CUDA-graph capture sizes (empty when it runs eagerly): a
+  decode step replays the smallest one that holds it, padding rows included;
+- `decode_spread`: per batch size (> 1) and context (> 0) of the grid, a decode step whose lengths
+  are spread evenly over context +- half_width (shuffled, so the longest requests sit anywhere in the
+  batch, as in a real one), timed like the grid's (`step_time_s`, `host_time_s`, `stream_time_s`),
+  with its longest length past the mean (`max_minus_mean`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,49 @@ def grid_step(batch_size: int, extra: int, context: int, block_size: int, num_bl
     """The grid's step: ``batch_size`` requests with ``context`` tokens cached, one new token each,
     the first ``1 + extra``."""
     return rows_output([(1 + (extra if i == 0 else 0), context) for i in range(batch_size)], block_size, num_blocks)
+
+
+def spread_lengths(batch_size: int, context: int, half_width: int) -> list[int]:
+    """``batch_size`` context lengths spread evenly over [context - w, context + w] (w = half_width, at most
+    ``context``) with mean ``context`` (to rounding), in a fixed shuffled order."""
+    import numpy as np
+
+    w = min(half_width, context)
+    lens = [context + round(w * ((2 * i + 1) / batch_size - 1)) for i in range(batch_size)]
+    order = np.random.default_rng(0).permutation(batch_size)
+    return [lens[i] for i in order]
+
+
+def measure_decode_spread(engine, batch_sizes: Sequence[int], context_lens: Sequence[int], half_width: int,
+                          repeats: int) -> dict:
+    """Decode steps with uneven lengths (``spread_lengths``) at each batch size > 1 and context > 0,
+    timed as the grid's steps are."""
+    cc = engine.config.cache_config
+    bs = [b for b in batch_sizes if b > 1]
+    cs = [c for c in context_lens if c > 0]
+    out = {"half_width": half_width, "batch_size": bs, "context_len": cs, "max_minus_mean": [],
+           "step_time_s": [], "host_time_s": [], "stream_time_s": []}
+    if half_width <= 0 or not bs or not cs:
+        return {}
+    for b in bs:
+        rows = {k: [] for k in ("max_minus_mean", "step_time_s", "host_time_s", "stream_time_s")}
+        for c in cs:
+            lens = spread_lengths(b, c, half_width)
+            so = rows_output([(1, n) for n in lens], cc.block_size, cc.num_blocks)
+            total, host = time_step(engine, so, repeats)
+            rows["max_minus_mean"].append(max(lens) - sum(lens) / b)
+            rows["step_time_s"].append(total)
+            rows["host_time_s"].append(host)
+            rows["stream_time_s"].append(time_stream(engine, so, repeats))
+        for k, v in rows.items():
+            out[k].append(v)
+    return out
+
+
+def graph_batch_sizes(engine) -> list[int]:
+    """The engine's CUDA-graph capture sizes (decode steps), empty when it runs eagerly."""
+    graphs = getattr(getattr(engine, "runner", None), "graph_runner", None)
+    return [int(b) for b in graphs.buckets] if graphs is not None and graphs.graphs else []
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +189,8 @@ def _memory_bytes(device: torch.device) -> float:
 
 
 def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int], context_lens: Sequence[int],
-                repeats: int = 3, progress: bool = True) -> dict:
+                repeats: int = 3, progress: bool = True, decode_spread: int = 384) -> dict:
+    """``decode_spread``: the half width of the uneven decode steps (`measure_decode_spread`; 0: none)."""
     for name, axis, lo in (("batch sizes", batch_sizes, 1), ("extra tokens", extra_tokens, 0),
                            ("context lengths", context_lens, 0)):
         if not axis or sorted(set(axis)) != list(axis) or axis[0] < lo:
@@ -148,6 +199,9 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
     if context_lens[-1] + extra_tokens[-1] + 1 > max_len:
         raise ValueError(f"largest context + extra tokens + 1 = {context_lens[-1] + extra_tokens[-1] + 1} "
                          f"exceeds max_model_len {max_len}")
+    if decode_spread < 0:
+        raise ValueError(f"decode spread must be >= 0, got {decode_spread}")
+    decode_spread = min(decode_spread, max_len - 1 - context_lens[-1])  # the longest spread row must fit
     cc = engine.config.cache_config
     bar = tqdm(total=len(batch_sizes) * len(extra_tokens) * len(context_lens), desc="profile", disable=not progress)
     table, host_table, stream_table = [], [], []
@@ -170,6 +224,7 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
         stream_table.append(stream_rows)
     bar.close()
     pairs = measure_pair_time(engine, extra_tokens[-1] + 1, repeats) if extra_tokens[-1] > 0 else {}
+    spread = measure_decode_spread(engine, batch_sizes, context_lens, decode_spread, repeats)
     dev = engine.device
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -185,6 +240,8 @@ def run_profile(engine, batch_sizes: Sequence[int], extra_tokens: Sequence[int],
         "host_time_s": host_table,
         "stream_time_s": stream_table,
         **pairs,
+        "cuda_graph_batch_sizes": graph_batch_sizes(engine),
+        **({"decode_spread": spread} if spread else {}),
     }
 
 
@@ -203,7 +260,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     engine = LLMEngine(engine_args_from(ns))
     profile = run_profile(engine, ns.batch_sizes, ns.extra_tokens, ns.context_lens, ns.repeats,
-                          progress=not ns.disable_tqdm)
+                          progress=not ns.disable_tqdm, decode_spread=ns.decode_spread)
     with open(ns.output, "w") as f:
         json.dump(profile, f, indent=1)
     print(f"wrote {ns.output}: {len(ns.batch_sizes) * len(ns.extra_tokens) * len(ns.context_lens)} points on "
@@ -221,6 +278,8 @@ def register(sub) -> None:
                    help="prefill tokens beyond one per request")
     p.add_argument("--context-lens", type=_ints, default=[0, 1024, 4096], help="KV tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median), after one warm-up")
+    p.add_argument("--decode-spread", type=int, default=384,
+                   help="half width of the uneven decode steps timed at each batch size and context (0: none)")
     p.add_argument("--output", default="profile.json")
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(p)

@@ -76,6 +76,15 @@ class StepShape:
     copy_tokens: int = 0  # KV slots copied device to device (partial-block reuse)
     # cascade attention: KV tokens at the start of every request's context read once for all of them
     shared_prefix_tokens: int = 0
+    max_seq_len: int = 0  # the longest request's KV length (start + new); 0: unknown
+
+    @property
+    def seq_len_spread(self) -> float:
+        """The longest request's KV length minus the mean (0 when unknown): how far the longest decode
+        programs of the step run past the average (see ``ProfileCostModel``'s decode spread)."""
+        if not self.max_seq_len or not self.num_requests:
+            return 0.0
+        return max(0.0, self.max_seq_len - self.context_tokens / self.num_requests)
 
     @property
     def kv_read_tokens(self) -> int:
@@ -100,11 +109,12 @@ class StepShape:
     def of(cls, so: SchedulerOutput, block_size: int = 0, cascade: bool = False) -> "StepShape":
         """``cascade``: the engine attends a prefix every decode row shares once (as the GPU engine
         does unless ``disable_cascade_attn``); the step's block tables tell how long it is."""
-        tokens = decode = sampled = ctx = pairs = 0
+        tokens = decode = sampled = ctx = pairs = longest = 0
         for e in so.requests:
             n, s = len(e.token_ids), e.start_position
             tokens += n
             ctx += s + n
+            longest = max(longest, s + n)
             pairs += n * s + n * (n + 1) // 2
             decode += n == 1
             sampled += e.sample
@@ -112,7 +122,7 @@ class StepShape:
         host = sum(c.num_tokens for c in moves.offloads) + sum(c.num_tokens for c in moves.restores) if moves else 0
         copies = sum(c.num_tokens for c in moves.copies) if moves else 0
         shared = _shared_prefix(so, block_size) if cascade and block_size and decode == len(so.requests) else 0
-        return cls(tokens, len(so.requests), decode, sampled, ctx, pairs, host, copies, shared)
+        return cls(tokens, len(so.requests), decode, sampled, ctx, pairs, host, copies, shared, longest)
 
 
 def _shared_prefix(so: SchedulerOutput, block_size: int) -> int:
@@ -294,6 +304,20 @@ class ProfileCostModel:
     nothing in flight (`overlapped=False`) costs its measured total.
     A step whose decode rows share a prefix (cascade attention, see ``StepShape.kv_read_tokens``) is
     looked up at the context length that reads as much KV: the grid's steps share nothing.
+
+    Pure decode steps, two departures from the grid's steps (both measured by `tallyserve profile`):
+    - CUDA-graph padding (`cuda_graph_batch_sizes`, the engine's capture sizes): a decode step of b
+      requests replays the graph of the smallest size B >= b, whose B - b padding rows still run the
+      linear layers (they read no KV). Such a step pays the grid's step at (B, context_len[0]) less the
+      one at (b, context_len[0]) on top of its own lookup: the rows' cost without attention.
+    - Uneven lengths (`decode_spread`): a grid step's requests all have one length, a real batch's
+      do not. The decode kernel runs one program per (request, KV head) (per split, and at 64+
+      requests in a graph there is one split: ``triton_attn._decode_splits``), handed to the SMs in
+      request order; the longest requests' programs still run after the rest have finished, with the
+      GPU's bandwidth left idle, on every layer. The profile times decode steps whose lengths are spread
+      evenly (shuffled) around each context of the grid; the step's time over the grid's per token of
+      their longest length past the mean is interpolated over (batch, context) (edges held) and
+      charged per token of the step's own (``StepShape.seq_len_spread``).
     """
 
     async_scheduling = False
@@ -320,6 +344,11 @@ class ProfileCostModel:
                                           and pair_time >= 0):
             raise ValueError(f"profile prefill_pair_time_s must be a number >= 0, got {pair_time!r}")
         self.pair_time = float(pair_time or 0.0)
+        graphs = profile.get("cuda_graph_batch_sizes") or []
+        if not (isinstance(graphs, list) and all(isinstance(g, int) and g >= 1 for g in graphs)):
+            raise ValueError(f"profile cuda_graph_batch_sizes must be a list of integers >= 1, got {graphs!r}")
+        self.graph_sizes = sorted(set(graphs))
+        self.spread = _check_spread(profile.get("decode_spread"))
         self.mem_bytes = float(profile.get("memory_bytes") or HARDWARE["h200"].mem_bytes)
         self.name = f"profile:{profile.get('device', 'unknown')}"
         # the engine profiled uses cascade attention unless it ran on the CPU (whose backend has none)
@@ -332,27 +361,30 @@ class ProfileCostModel:
     def step_time(self, s: StepShape, overlapped: Optional[bool] = None) -> float:
         """``overlapped``: launched while another step is on the device (None: whenever the
         simulator runs async scheduling)."""
-        b = max(s.num_requests, 1)
-        (bi, bf), (ei, ef), (ci, cf) = (_locate(axis, x) for axis, x in
-                                        zip(self.axes, (b, s.num_tokens - s.num_requests, s.cached_len)))
-        nb, ne, nc = (min(1, len(a) - 1) for a in self.axes)  # 0 on a single-point axis
         if overlapped is None:
             overlapped = self.async_scheduling
+        b = max(s.num_requests, 1)
+        t = self._lookup(b, s.num_tokens - s.num_requests, s.cached_len, s.extra_attn_pairs, overlapped)
+        if s.num_requests and s.num_decode_rows == s.num_requests:
+            t += self.graph_padding_time(b, overlapped) + self.spread_time(b, s.cached_len, s.seq_len_spread,
+                                                                            overlapped)
+        moves = transfer_time(self.shape, self.host_bandwidth, self.mem_bandwidth, s) if self.shape else 0.0
+        return max(t, 1e-7) + moves
+
+    def _lookup(self, b: float, extra: float, cached: float, step_pairs: float, overlapped: bool) -> float:
+        """The grid interpolated at (b, extra, cached), the grid points' prefill attention replaced by
+        ``step_pairs`` pairs'."""
+        (bi, bf), (ei, ef), (ci, cf) = (_locate(axis, x) for axis, x in zip(self.axes, (b, extra, cached)))
+        nb, ne, nc = (min(1, len(a) - 1) for a in self.axes)  # 0 on a single-point axis
         stream = self.stream_table if overlapped else None
         host = self.host_table if overlapped else None
         extra_axis, ctx_axis, pair_time = self.axes[1], self.axes[2], self.pair_time
-        step_pairs = s.extra_attn_pairs
 
         def cell(i: int, j: int, k: int) -> float:
             # the step's own prefill attention in place of the grid point's
             attn = pair_time * (step_pairs - grid_extra_attn_pairs(extra_axis[j], ctx_axis[k])) if pair_time else 0.0
-            total = self.table[i][j][k]
-            if stream is not None:
-                return max(host[i][j][k] if host is not None else 0.0, stream[i][j][k] + attn)
-            if host is not None:
-                h = host[i][j][k]
-                return max(h, total - h + attn)
-            return total + attn
+            return _mode_time(self.table[i][j][k], host[i][j][k] if host is not None else None,
+                              stream[i][j][k] if stream is not None else None, attn)
 
         def along_c(i: int, j: int) -> float:
             return _lerp(cell(i, j, ci), cell(i, j, ci + nc), cf)
@@ -360,8 +392,78 @@ class ProfileCostModel:
         def along_e(i: int) -> float:
             return _lerp(along_c(i, ei), along_c(i, ei + ne), ef)
 
-        moves = transfer_time(self.shape, self.host_bandwidth, self.mem_bandwidth, s) if self.shape else 0.0
-        return max(_lerp(along_e(bi), along_e(bi + nb), bf), 1e-7) + moves
+        return _lerp(along_e(bi), along_e(bi + nb), bf)
+
+    def graph_padding_time(self, b: int, overlapped: bool) -> float:
+        """A decode step of ``b`` requests replays the CUDA graph of the smallest captured size B >= b:
+        the B - b padding rows' cost, the grid's step at (B, 0, context_len[0]) less (b, 0, context_len[0])."""
+        graphs = self.graph_sizes
+        if not graphs or b > graphs[-1]:
+            return 0.0
+        size = next(g for g in graphs if g >= b)
+        if size == b:
+            return 0.0
+        c0 = self.axes[2][0]
+        return max(0.0, self._lookup(size, 0, c0, 0, overlapped) - self._lookup(b, 0, c0, 0, overlapped))
+
+    def spread_time(self, b: float, cached: float, spread: float, overlapped: bool) -> float:
+        """Uneven lengths in a decode step: ``spread`` (the longest KV length past the mean) times the
+        measured seconds per such token near (``b``, ``cached``)."""
+        sp = self.spread
+        if sp is None or spread <= 0:
+            return 0.0
+        (bi, bf), (ci, cf) = _locate(sp["batch_size"], b), _locate(sp["context_len"], cached)
+        bf, cf = min(bf, 1.0), min(cf, 1.0)  # held at the far edges, like the near ones
+        nb, nc = min(1, len(sp["batch_size"]) - 1), min(1, len(sp["context_len"]) - 1)
+        host, stream = (sp.get("host_time_s"), sp.get("stream_time_s")) if overlapped else (None, None)
+
+        def rate(i: int, k: int) -> float:
+            measured = _mode_time(sp["step_time_s"][i][k], host[i][k] if host is not None else None,
+                                  stream[i][k] if stream is not None else None, 0.0)
+            even = self._lookup(sp["batch_size"][i], 0, sp["context_len"][k], 0, overlapped)
+            # >= 0: the longest programs cannot end before those of the mean length would (below: noise)
+            return max(0.0, measured - even) / sp["max_minus_mean"][i][k]
+
+        def along_c(i: int) -> float:
+            return rate(i, ci) + cf * (rate(i, ci + nc) - rate(i, ci))
+
+        return spread * (along_c(bi) + bf * (along_c(bi + nb) - along_c(bi)))
+
+
+def _mode_time(total: float, host: Optional[float], stream: Optional[float], attn: float) -> float:
+    """A measured step's cost: in the async stream max(host, period), else with host times max(host,
+    device part), else its total; ``attn`` added to the device part."""
+    if stream is not None:
+        return max(host if host is not None else 0.0, stream + attn)
+    if host is not None:
+        return max(host, total - host + attn)
+    return total + attn
+
+
+def _check_spread(spread) -> Optional[dict]:
+    """A profile's ``decode_spread`` (None when absent or empty), checked: axes strictly increasing, tables
+    of their shape, ``max_minus_mean`` > 0."""
+    if not spread or not spread.get("batch_size") or not spread.get("context_len"):
+        return None
+    try:
+        out = {k: [float(x) for x in spread[k]] for k in ("batch_size", "context_len")}
+        shape = (len(out["batch_size"]), len(out["context_len"]))
+        for key in ("max_minus_mean", "step_time_s", "host_time_s", "stream_time_s"):
+            table = spread.get(key)
+            if table is None and key in ("host_time_s", "stream_time_s"):
+                out[key] = None
+                continue
+            if len(table) != shape[0] or any(len(r) != shape[1] for r in table):
+                raise ValueError(f"profile decode_spread {key} must have shape {shape}")
+            out[key] = [[float(x) for x in r] for r in table]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"profile decode_spread is malformed: {exc}") from None
+    for axis in (out["batch_size"], out["context_len"]):
+        if any(b <= a for a, b in zip(axis, axis[1:])):
+            raise ValueError("profile decode_spread axes must be strictly increasing")
+    if any(m <= 0 for r in out["max_minus_mean"] for m in r):
+        raise ValueError("profile decode_spread max_minus_mean must be > 0")
+    return out
 
 
 def _has_shape(table, shape: tuple[int, int, int]) -> bool:
