@@ -234,6 +234,10 @@ def main(argv=None) -> int:
             for engine in order:
                 key = engine_key(engine, threads)
                 res = run_engine(engine, paths, prompts, prompts_file, threads, args, f"r{r}-t{threads}")
+                expected = len(prompts) * args.max_tokens  # EOS is ignored: every request runs to max_tokens
+                if "error" not in res and res["output_tokens"] != expected:
+                    res = {"error": f"{res['output_tokens']} output tokens, expected {expected}: an incomplete run "
+                                    "does not count"}
                 if "error" in res:
                     row[key] = {"time_s": None, "error": res["error"]}
                     print(f"round {r}  {key:22s}    failed: {res['error'].splitlines()[0]}", flush=True)

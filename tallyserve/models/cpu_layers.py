@@ -7,7 +7,8 @@ RMSNorm, gate/up, SiLU-and-multiply and down, then the final norm. They are the 
 in the same order as ``LlamaModel._forward_fused`` on the CPU, so outputs and cache are bit-identical; what goes is
 the Python around ~13 operators per layer (about 4 ms of a 25 ms single-sequence step of the bundled model).
 Float32 projections take steps of up to ``CPU_MLP_CHUNK_ROWS`` rows (which the Python MLP runs whole); bfloat16
-projections (dtype="bfloat16") one to four rows (the rows ``layers.linear`` multiplies with ``gemv_bf16``).
+projections (dtype="bfloat16") up to ``CPU_MLP_CHUNK_ROWS_BF16``, each product as ``layers.linear`` makes it:
+``gemv_bf16`` for one to four rows, oneDNN's matmul on the blocked weights (``pack_cpu_weight``) from five.
 ``TALLYSERVE_CPU_DECODE_LAYERS=0`` keeps the Python layers.
 """
 
@@ -24,10 +25,12 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.models import layers
 
 
-def layer_weights(model) -> Optional[tuple[bool, list]]:
-    """(bfloat16 projections?, the per-layer weights the operator takes) when ``model`` (a LlamaModel) fits it:
-    fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor parallelism), the
-    compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once per model."""
+def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
+    """(bfloat16 projections?, the per-layer weights the operator takes, the same with the projections' blocked
+    copies from ``layers.pack_cpu_weight`` where every bfloat16 projection has one, else None) when ``model`` (a
+    LlamaModel) fits it: fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor
+    parallelism), the compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once
+    per model."""
     cached = getattr(model, "_cpu_weights", False)
     if cached is not False:
         return cached
@@ -53,12 +56,16 @@ def layer_weights(model) -> Optional[tuple[bool, list]]:
             and model.norm.weight.device.type == "cpu" and model.norm.weight.dtype == torch.float32
             and all(fits(layer) for layer in model.layers)
             and cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "decode_layers")):
-        fit = (bf16, [[layer.input_layernorm.weight for layer in model.layers],
-                      [layer.self_attn.qkv_weight for layer in model.layers],
-                      [layer.self_attn.o_proj.weight for layer in model.layers],
-                      [layer.post_attention_layernorm.weight for layer in model.layers],
-                      [layer.mlp.gate_up_weight for layer in model.layers],
-                      [layer.mlp.down_proj.weight for layer in model.layers]])
+        plain = [[layer.input_layernorm.weight for layer in model.layers],
+                 [layer.self_attn.qkv_weight for layer in model.layers],
+                 [layer.self_attn.o_proj.weight for layer in model.layers],
+                 [layer.post_attention_layernorm.weight for layer in model.layers],
+                 [layer.mlp.gate_up_weight for layer in model.layers],
+                 [layer.mlp.down_proj.weight for layer in model.layers]]
+        blocked = None
+        if bf16 and all(getattr(w, "mkldnn_packed", None) is not None for i in (1, 2, 4, 5) for w in plain[i]):
+            blocked = [[getattr(w, "mkldnn_packed", w) for w in ws] for ws in plain]
+        fit = (bf16, plain, blocked)
     model._cpu_weights = fit
     return fit
 
@@ -69,13 +76,19 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     goes through the compiled attention kernel in place; else None (the caller runs the Python layers)."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    rows_max = layers.CPU_MLP_CHUNK_ROWS if model.matmul_dtype is None else layers.CPU_GEMV_MAX_ROWS
-    if x.shape[0] > rows_max:
-        return None
     fit = layer_weights(model)
     if fit is None:
         return None
-    bf16, weights = fit
+    bf16, weights, blocked = fit
+    rows = x.shape[0]
+    if not bf16:
+        projections = 0
+    elif rows <= layers.CPU_GEMV_MAX_ROWS:
+        projections = 1
+    else:  # the rows layers.linear multiplies with oneDNN on the blocked weights, the MLP whole
+        projections, weights = 2, blocked
+    if weights is None or rows > (layers.CPU_MLP_CHUNK_ROWS_BF16 if bf16 else layers.CPU_MLP_CHUNK_ROWS):
+        return None
     from tallyserve.attention.cpu_sdpa import compiled_decode_plan
 
     attn = model.layers[0].self_attn
@@ -93,4 +106,4 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     cos, sin = rope
     return torch.ops.tallyserve_cpu.decode_layers(
         x.contiguous(), *weights, model.norm.weight, model.norm.eps, hq, hkv, d, cos, sin, kv_caches,
-        attn_meta.slot_mapping, plan.tables, plan.qsl, plan.lens, attn.scale, bf16)
+        attn_meta.slot_mapping, plan.tables, plan.qsl, plan.lens, attn.scale, projections)

@@ -403,8 +403,9 @@ void mask_logits_rows_(at::Tensor logits, const at::Tensor& words, const at::Ten
 // paged attention, the output product, add + RMSNorm, gate/up, SiLU-and-multiply, down; then the final add +
 // RMSNorm. x: the float32 embeddings (T, H), updated in place as the residual stream. What this saves is the Python
 // around ~13 operators per layer (a one-sequence step of the bundled model spent ~4 ms of its ~25 there).
-// Two variants (bf16_projections): float32 projections (ATen's matmul), and bfloat16 projections of one to four
-// rows (dtype="bfloat16": gemv_bf16, the norms and SiLU-and-multiply handing them bfloat16, q/k/v back in float32).
+// Three variants (projections): 0, float32 projections (ATen's matmul); under dtype="bfloat16" (the norms and
+// SiLU-and-multiply handing the projections bfloat16, q/k/v back in float32) 1, one to four rows through gemv_bf16,
+// and 2, more rows through oneDNN's matmul on the blocked weights (pack_cpu_weight), as layers.linear picks them.
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double);
 
@@ -452,15 +453,48 @@ at::Tensor run_decode_layers(at::Tensor x, const LayerWeights& w, const at::Tens
   return add_rms_norm(h.to(at::kFloat), residual, final_norm, eps);
 }
 
+// layers.linear from five rows on for a bfloat16 weight with oneDNN's blocked copy (pack_cpu_weight): oneDNN's
+// bfloat16 matmul on x, the product in bfloat16.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, c10::IValue(), std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
 at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList o_w,
                          at::TensorList post_norm, at::TensorList gate_up_w, at::TensorList down_w,
                          const at::Tensor& final_norm, double eps, int64_t num_q_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin, at::TensorList kv_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                         bool bf16_projections) {
+                         int64_t projections) {
+  TORCH_CHECK(projections >= 0 && projections <= 2, "decode_layers: projections 0 (float32), 1 (bfloat16, one to "
+              "four rows) or 2 (bfloat16, oneDNN's blocked weights)");
   const LayerWeights w{in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w};
-  if (!bf16_projections) {
+  auto norm_bf16 = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
+    return add_rms_norm_bf16(a, r, wt, eps);
+  };
+  if (projections == 2) {
+    // layers.linear from five rows on: x rounded to bfloat16, oneDNN's product in bfloat16 on the blocked weights
+    // passed in place of the plain ones; q/k/v back in float32, the rest of the layer in bfloat16 as with gemv_bf16
+    TORCH_CHECK(x.size(0) > kGemvMaxRows, "decode_layers with blocked bfloat16 weights: more than ", kGemvMaxRows,
+                " rows");
+    auto qkv_product = [](const at::Tensor& a, const at::Tensor& b) {
+      return linear_packed(a.to(at::kBFloat16).contiguous(), b).to(at::kFloat);
+    };
+    auto o_product = [](const at::Tensor& a, const at::Tensor& b) {
+      return linear_packed(a.to(at::kBFloat16).contiguous(), b);
+    };
+    auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
+      return linear_packed(silu_mul_bf16(linear_packed(a.contiguous(), gate_up_weight)), down_weight);
+    };
+    return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
+                             slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product,
+                             norm_bf16, mlp);
+  }
+  if (projections == 0) {
     auto product = [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
     auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
       return add_rms_norm(a, r, wt, eps);
@@ -483,15 +517,12 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
   auto o_product = [](const at::Tensor& a, const at::Tensor& b) {
     return gemv_bf16(a.to(at::kBFloat16).contiguous(), b);
   };
-  auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
-    return add_rms_norm_bf16(a, r, wt, eps);
-  };
   auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
     return gemv_bf16(silu_mul_bf16(gemv_bf16(a.contiguous(), gate_up_weight)), down_weight);
   };
   return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
-                           slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product, norm,
-                           mlp);
+                           slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product,
+                           norm_bf16, mlp);
 #else
   TORCH_CHECK(false, "decode_layers: bfloat16 projections need a build with AVX512-BF16 (gemv_bf16)");
 #endif
@@ -511,7 +542,7 @@ TORCH_LIBRARY_FRAGMENT(tallyserve_cpu, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] o_w, Tensor[] post_norm, "
         "Tensor[] gate_up_w, Tensor[] down_w, Tensor final_norm, float eps, int num_q_heads, int num_kv_heads, "
         "int head_dim, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, bool bf16_projections) -> Tensor");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int projections) -> Tensor");
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
 #endif
@@ -530,3 +561,6 @@ TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
 #endif
 }
+
+// decode_layers takes oneDNN's blocked weights (opaque MkldnnCPU tensors) in its weight lists under projections=2.
+TORCH_LIBRARY_IMPL(tallyserve_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
