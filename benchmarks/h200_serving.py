@@ -120,7 +120,7 @@ def run_http(args, out_dir: Path, trace: Path, warm: Path, name: str, env: dict,
 
 
 def _cost(engine, profile: dict):
-    from tallyserve.sim.cost_model import ProfileCostModel
+    from tallyserve.sim.profile_cost import ProfileCostModel
 
     cost = ProfileCostModel(profile, engine.model_config)
     cost.async_scheduling = bool(engine.async_scheduling)

@@ -131,7 +131,7 @@ def simulate_trace(trace: Path, profile: dict, model: str, async_scheduling: boo
     from tallyserve.bench.workloads import WorkloadOptions, build_workload
     from tallyserve.config import EngineArgs
     from tallyserve.sim.cli import engine_config_for, load_model_config
-    from tallyserve.sim.cost_model import ProfileCostModel
+    from tallyserve.sim.profile_cost import ProfileCostModel
     from tallyserve.sim.simulator import SimOptions, Simulator
 
     mc = load_model_config(model)
@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model preset of the simulator (default: the profile's)")
     args = ap.parse_args()
     from tallyserve.sim.cli import load_model_config
-    from tallyserve.sim.cost_model import ProfileCostModel
+    from tallyserve.sim.profile_cost import ProfileCostModel
 
     d = Path(args.dir)
     profile = json.loads(Path(args.profile or d / "profile.json").read_text())

@@ -1,7 +1,7 @@
 """`tallyserve profile`: measure the real step time of the engine over a grid and write the profile
 JSON that `tallyserve simulate --hardware PROFILE.json` interpolates.
 
-Grid axes (see `sim.cost_model.ProfileCostModel`): `batch_size` requests per step, each with
+Grid axes (see `sim.profile_cost.ProfileCostModel`): `batch_size` requests per step, each with
 `context_len` tokens already in the KV cache; every request computes one new token except the
 first, which computes `1 + extra_tokens` (a prefill chunk riding with decode rows). A step is
 timed from the frozen SchedulerOutput to sampled tokens: batch build, forward pass, sampling.
@@ -15,7 +15,7 @@ And once, `prefill_pair_time_s`: seconds per causal query-key pair of prefill at
 steps of the grid's largest chunk split over 1, 2, 4 and 8 requests (the same tokens, fewer pairs;
 the least-squares slope of time over pairs). The grid's extra tokens are one request's chunk, so
 this is what prices a step of the same size split over several prompts.
-Also, for pure decode steps (see `sim.cost_model.ProfileCostModel`):
+Also, for pure decode steps (see `sim.profile_cost.ProfileCostModel`):
 - `cuda_graph_batch_sizes`: the engine's CUDA-graph capture sizes (empty when it runs eagerly): a
   decode step replays the smallest one that holds it, padding rows included;
 - `decode_spread`: per batch size (> 1) and context (> 0) of the grid, a decode step whose lengths

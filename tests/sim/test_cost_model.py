@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tallyserve.sim.cli import load_model_config
-from tallyserve.sim.cost_model import (HARDWARE, ModelShape, ProfileCostModel, RooflineCostModel, StepShape,
-                                       grid_extra_attn_pairs, load_cost_model)
+from tallyserve.sim.cost_model import HARDWARE, ModelShape, RooflineCostModel, StepShape, load_cost_model
+from tallyserve.sim.profile_cost import ProfileCostModel, grid_extra_attn_pairs
 
 
 def _shape(tokens, requests, ctx, sampled=None):

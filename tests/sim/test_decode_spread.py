@@ -11,7 +11,8 @@ import pytest
 
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.profile import rows_output, spread_lengths
-from tallyserve.sim.cost_model import ProfileCostModel, StepShape
+from tallyserve.sim.cost_model import StepShape
+from tallyserve.sim.profile_cost import ProfileCostModel
 
 # decode-only grid: batch 1 / 16 / 64, contexts 0 / 512 / 1280; host 1 ms, stream = total - 1 ms
 _STEP = [[[0.004, 0.0041, 0.0042]], [[0.005, 0.0056, 0.0064]], [[0.0061, 0.0071, 0.0086]]]

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from tallyserve.cli import main
-from tallyserve.sim.cost_model import ProfileCostModel, StepShape
+from tallyserve.sim.cost_model import StepShape
+from tallyserve.sim.profile_cost import ProfileCostModel
 
 
 def test_profile_then_simulate(tiny_dir, tmp_path):

@@ -34,7 +34,7 @@ def bench_modules():
 def test_recorded_steps_priced_and_the_simulator_schedules_the_same(tiny_dir, tmp_path, bench_modules):
     h200_runs, sim_fidelity = bench_modules
     from tallyserve.profile import run_profile
-    from tallyserve.sim.cost_model import ProfileCostModel
+    from tallyserve.sim.profile_cost import ProfileCostModel
 
     llm = LLM(model=tiny_dir, **ARGS)
     engine = llm.engine
