@@ -35,6 +35,20 @@ def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = tor
     return upload_arrays([np.asarray(values)], dtype, torch.device(device))[0]
 
 
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (ties -> lowest id, NaN above everything, as torch.argmax). On the CPU the compiled
+    ``argmax_rows`` spreads the rows over the threads (64 rows of 49,152 logits: about 0.3 ms against 1-1.9 ms
+    for ``max(dim=-1)``, itself 2-3x faster than ``argmax`` there)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[-1] > 0:
+        from tallyserve.attention import cpu_kernels
+
+        if cpu_kernels.load():
+            return torch.ops.tallyserve_cpu.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
 @dataclass
 class SampledTensors:
     """One sampling call's results, still on the logits' device (async scheduling feeds
@@ -192,8 +206,7 @@ class Sampler:
                 f"params={len(params)}, generators={len(generators)}"
             )
         logits = logits.float()
-        # greedy rows keep this (ties -> lowest id); on the CPU max() finds the same index 2-3x faster than argmax()
-        token_ids = logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+        token_ids = greedy_token_ids(logits)  # greedy rows keep this (ties -> lowest id)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             sampled = self._sample_random(logits, random_rows, params, generators)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 from tallyserve.attention import cpu_kernels
@@ -381,3 +383,34 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     assert torch.equal(fast, plain)
     for a, b in zip(fast_caches, plain_caches):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       levels=st.integers(1, 6), specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "-0"]), max_size=4))
+def test_greedy_argmax_equals_torch(rows, width, seed, levels, specials):
+    """The CPU's greedy pick (argmax_rows): the index torch.argmax gives on every row, ties to the lowest index
+    (few distinct values make many ties), a NaN above everything, infinities, rows shorter and longer than a
+    vector, rows of one value."""
+    from tallyserve.runner.sampler import greedy_token_ids
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, width), generator=g).float() - levels / 2
+    value = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "-0": -0.0}
+    for k, name in enumerate(specials):
+        x.view(-1)[int(torch.randint(0, rows * width, (1,), generator=g))] = value[name]
+    assert torch.equal(greedy_token_ids(x), x.argmax(dim=-1))
+    assert torch.equal(greedy_token_ids(x), x.max(dim=-1).indices)
+
+
+def test_greedy_argmax_vocabulary_rows():
+    """Rows of a real vocabulary's width (49,152 logits, 64 rows over the threads), the maximum placed twice."""
+    from tallyserve.runner.sampler import greedy_token_ids
+
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    x[3, 40000] = x[3, 7] = 50.0  # a tie: the lower index
+    x[5, 49151] = 60.0  # the last position
+    got = greedy_token_ids(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got[3] == 7 and got[5] == 49151
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        torch.ops.tallyserve_cpu.argmax_rows(x.t())  # not contiguous
