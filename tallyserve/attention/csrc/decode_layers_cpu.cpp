@@ -93,23 +93,27 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
   auto norm_bf16 = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
     return add_rms_norm_bf16(a, r, wt, eps);
   };
-  if (projections == 2) {
-    // layers.linear from five rows on: x rounded to bfloat16, oneDNN's product in bfloat16 on the blocked weights
-    // passed in place of the plain ones; q/k/v back in float32, the rest of the layer in bfloat16 as with gemv_bf16
-    TORCH_CHECK(x.size(0) > kGemvMaxRows, "decode_layers with blocked bfloat16 weights: more than ", kGemvMaxRows,
-                " rows");
-    auto qkv_product = [](const at::Tensor& a, const at::Tensor& b) {
-      return linear_packed(a.to(at::kBFloat16).contiguous(), b).to(at::kFloat);
+  // layers.linear on bfloat16 weights (product: gemv_bf16 for one to four rows, oneDNN's matmul on the blocked
+  // weights passed in place of the plain ones from five): x rounded to bfloat16; q/k/v come back in float32 (the
+  // model's dtype), the output product stays in bfloat16 for the next norm, the MLP in bfloat16 throughout
+  auto run_bf16 = [&](auto product) {
+    auto qkv_product = [product](const at::Tensor& a, const at::Tensor& b) {
+      return product(a.to(at::kBFloat16).contiguous(), b).to(at::kFloat);
     };
-    auto o_product = [](const at::Tensor& a, const at::Tensor& b) {
-      return linear_packed(a.to(at::kBFloat16).contiguous(), b);
+    auto o_product = [product](const at::Tensor& a, const at::Tensor& b) {
+      return product(a.to(at::kBFloat16).contiguous(), b);
     };
-    auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
-      return linear_packed(silu_mul_bf16(linear_packed(a.contiguous(), gate_up_weight)), down_weight);
+    auto mlp = [product](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
+      return product(silu_mul_bf16(product(a.contiguous(), gate_up_weight)), down_weight);
     };
     return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
                              slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product,
                              norm_bf16, mlp);
+  };
+  if (projections == 2) {
+    TORCH_CHECK(x.size(0) > kGemvMaxRows, "decode_layers with blocked bfloat16 weights: more than ", kGemvMaxRows,
+                " rows");
+    return run_bf16([](const at::Tensor& a, const at::Tensor& b) { return linear_packed(a, b); });
   }
   if (projections == 0) {
     auto product = [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
@@ -126,20 +130,7 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   TORCH_CHECK(x.size(0) <= kGemvMaxRows, "decode_layers with bfloat16 projections: 1 to ", kGemvMaxRows, " rows");
-  // layers.linear for one to four rows of bfloat16 weights: gemv_bf16 on x rounded to bfloat16; q/k/v come back
-  // in float32 (the model's dtype), the output product stays in bfloat16 for the next norm
-  auto qkv_product = [](const at::Tensor& a, const at::Tensor& b) {
-    return gemv_bf16(a.to(at::kBFloat16).contiguous(), b).to(at::kFloat);
-  };
-  auto o_product = [](const at::Tensor& a, const at::Tensor& b) {
-    return gemv_bf16(a.to(at::kBFloat16).contiguous(), b);
-  };
-  auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
-    return gemv_bf16(silu_mul_bf16(gemv_bf16(a.contiguous(), gate_up_weight)), down_weight);
-  };
-  return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
-                           slot_mapping, block_tables, query_start_loc, seq_lens, scale, qkv_product, o_product,
-                           norm_bf16, mlp);
+  return run_bf16([](const at::Tensor& a, const at::Tensor& b) { return gemv_bf16(a, b); });
 #else
   TORCH_CHECK(false, "decode_layers: bfloat16 projections need a build with AVX512-BF16 (gemv_bf16)");
 #endif
