@@ -22,8 +22,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "attention_amx_cpu.h"
 #include "cpu_math.h"
 
 #if defined(__AVX512F__)
@@ -322,8 +324,10 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 
+  const bool amx = std::is_same<KvT, uint16_t>::value && tallyserve_amx::usable();
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
+    tallyserve_amx::Scratch amx_scratch;
     // rows_d64's scratch, sized on first use (a decode-only call never needs it): a piece of float32 keys and
     // values, per query head of a group q transposed, the output, the running max and sum
     std::vector<float> kc, vc, qt, ot, stats;
@@ -346,6 +350,13 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
           if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
           one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
           continue;
+        }
+        if constexpr (std::is_same<KvT, uint16_t>::value) {
+          if (kHaveRowKernel && D == 64 && amx) {
+            tallyserve_amx::rows_bf16(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo,
+                                      w.head_lo, w.head_hi, G, sc, amx_scratch);
+            continue;
+          }
         }
         if (kHaveRowKernel && D == 64) {
           if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
@@ -408,6 +419,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[0] <= T && qsl[R] <= T, "query_start_loc outside q's rows");
+  // (the AMX path takes longer runs of rows: its tiles of 16 rows share the copies of K and V^T)
+  const int64_t per_item = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && kHaveRowKernel && tallyserve_amx::usable()
+                               ? tallyserve_amx::kRowsPerItem
+                               : kRowsPerItem;
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = qsl[r + 1] - qsl[r];
@@ -415,8 +430,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
     TORCH_CHECK((sl[r] + BS - 1) / BS <= MB, "request ", r, ": seq_len past its block table");
     for (int64_t b = 0; b < (sl[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(bt[r * MB + b] >= 0 && bt[r * MB + b] < NB, "request ", r, ": block id out of range");
-    for (int64_t lo = 0; lo < rows; lo += kRowsPerItem) {
-      const int64_t hi = std::min(rows, lo + kRowsPerItem);
+    for (int64_t lo = 0; lo < rows; lo += per_item) {
+      const int64_t hi = std::min(rows, lo + per_item);
       items.push_back({r, lo, hi, (hi - lo) * (sl[r] - rows + hi), 0, Hq});
     }
   }
@@ -451,10 +466,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 // take a slow generic loop, and the Python side sends long chunks to PyTorch's SDPA instead.
 bool has_fast_rows() { return kHaveRowKernel; }
 
+// The AMX path for chunks over a bfloat16 cache (attention_amx_cpu.cpp): on or off, and whether it runs.
+bool set_amx(bool on) { return tallyserve_amx::set_enabled(on); }
+bool amx_usable() { return tallyserve_amx::usable(); }
+
 TORCH_LIBRARY(tallyserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("has_fast_rows() -> bool", &has_fast_rows);
+  m.def("set_amx(bool on) -> bool", &set_amx);
+  m.def("amx_usable() -> bool", &amx_usable);
 }
 
 TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
