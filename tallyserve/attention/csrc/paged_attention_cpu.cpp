@@ -10,7 +10,8 @@
 // split by KV head group). Items, largest first, are dealt round-robin to ATen's threads. With AVX-512 and
 // head_dim 64, a one-row item (decode) keeps its scores whole (softmax: max, exp, sum in float32, like the
 // reference) and reads each K/V row once for all query heads of its group (one_row_d64); a multi-row item (a
-// chunk, speculative rows) runs flash-style with its rows in the vector lanes (rows_d64). Otherwise a generic
+// chunk, speculative rows) runs flash-style with its rows in the vector lanes (rows_d64); over a bfloat16 cache
+// on a CPU with AMX, items of up to 64 rows take attention_amx_cpu.cpp's tiles instead. Otherwise a generic
 // loop: each position's K row (every KV head, contiguous) read once for all query heads of the item, scores kept
 // whole per row, then the weighted V rows summed.
 
@@ -314,7 +315,7 @@ struct Item {
 template <typename KvT>
 void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std::vector<Item>& items,
                   const int64_t* qsl, const int64_t* sl, const int32_t* bt, int64_t MB, int64_t NB, int64_t BS,
-                  int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale) {
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale, bool amx) {
   const float* Q = q.data_ptr<float>();
   const int64_t q_row = q.stride(0);  // q may be a view of the fused q/k/v rows
   const KvT* V = K + NB * BS * Hkv * D;
@@ -324,7 +325,6 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 
-  const bool amx = std::is_same<KvT, uint16_t>::value && tallyserve_amx::usable();
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
     tallyserve_amx::Scratch amx_scratch;
@@ -420,9 +420,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[0] <= T && qsl[R] <= T, "query_start_loc outside q's rows");
   // (the AMX path takes longer runs of rows: its tiles of 16 rows share the copies of K and V^T)
-  const int64_t per_item = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && kHaveRowKernel && tallyserve_amx::usable()
-                               ? tallyserve_amx::kRowsPerItem
-                               : kRowsPerItem;
+  const bool amx = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && kHaveRowKernel && tallyserve_amx::usable();
+  const int64_t per_item = amx ? tallyserve_amx::kRowsPerItem : kRowsPerItem;
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = qsl[r + 1] - qsl[r];
@@ -453,10 +452,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   if (qsl[0] > 0) out.narrow(0, 0, qsl[0]).zero_();
   if (qsl[R] < T) out.narrow(0, qsl[R], T - qsl[R]).zero_();
   if (kv_cache.scalar_type() == at::kFloat)
-    attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale);
+    attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale, false);
   else
     attend_items(q, out, reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()), items, qsl, sl, bt, MB,
-                 NB, BS, Hq, Hkv, D, G, scale);
+                 NB, BS, Hq, Hkv, D, G, scale, amx);
   return out;
 }
 
