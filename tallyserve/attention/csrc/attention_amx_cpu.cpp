@@ -3,8 +3,8 @@
 //
 // AMX multiplies bfloat16 tiles into float32 sums, and a bfloat16 cache holds K and V exactly, so only the float32
 // operands need care: each query row and each probability is split into three bfloat16 parts (x = hi + mid + lo,
-// exactly: 8 of float32's 24 significant bits each), and a product of two bfloat16 values is exact in float32. So every score and every
-// weighted value is the float32 path's products summed in float32, in another order.
+// exactly: 8 of float32's 24 significant bits each), and a product of two bfloat16 values is exact in float32. So
+// every score and every weighted value is the float32 path's products summed in float32, in another order.
 //
 // Layout (per KV head group, per piece of up to kPiece keys):
 //   scores^T (keys x rows) = K (keys x 64) . Q^T           A: K rows copied from the cache, B: q, pair-interleaved
@@ -22,15 +22,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define TALLYSERVE_HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define TALLYSERVE_HAVE_AMX 0
-#endif
+#include "amx_tiles.h"
 
 namespace tallyserve_amx {
 
@@ -46,42 +38,6 @@ std::atomic<bool> g_enabled{[] {
 namespace {
 
 constexpr int64_t kPiece = 64;  // keys per piece (a multiple of 32)
-
-// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool tile_state_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows of 64 bytes; the caller's configuration (other kernels of this thread may cache theirs) is
-// saved on entry and put back on exit.
-class TileScope {
- public:
-  TileScope() {
-    _tile_storeconfig(&saved_);
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() {
-    if (saved_.palette_id != 0)
-      _tile_loadconfig(&saved_);
-    else
-      _tile_release();
-  }
-
- private:
-  TileConfig saved_{};
-};
 
 // x = p[0] + p[1] + p[2], each part a bfloat16 value held as a float32 whose low 16 bits are zero: the top 8
 // significant bits, the next 8, the last 8 (truncation, so for normal numbers the parts add up to x's 24 bits with
