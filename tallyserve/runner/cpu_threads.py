@@ -23,12 +23,6 @@ back to the kernel when it is freed, so each large activation of a prefill step 
 float32: 31 MB) was mapped again and paid a page fault per 4 KiB on first touch. The CPU engine raises the
 threshold to glibc's maximum (32 MiB) and the trim threshold to 1 GiB, so freed activations are reused:
 workload W's prompts took 5.2 -> 4.4 s with bfloat16 projections (the ``MALLOC_*_`` variables, if set, win).
-
-``zeros_on_huge_pages()``: the CPU KV cache. A decode step reads each sequence's blocks scattered over a pool
-of gigabytes, a few KiB per block, so with 4 KiB pages nearly every block costs page-table walks; the pool is
-allocated untouched, advised as transparent-huge-page memory (``madvise(MADV_HUGEPAGE)``, which the kernel
-honours under THP ``madvise`` or ``always``), then zero-filled. Decode attention over a shuffled pool: 48-50 ->
-43-45 ms for 30 layers of 64 sequences on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -111,26 +105,6 @@ def keep_freed_memory() -> bool:
             ok = False
     _malloc_tuned.append(ok)
     return ok
-
-
-MADV_HUGEPAGE = 14
-HUGE_PAGE_BYTES = 2 << 20
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, its memory advised as huge-page memory before the first
-    touch (see the module docstring); plain zeros where the advice is not available."""
-    out = torch.empty(shape, dtype=dtype)
-    start, nbytes = out.data_ptr(), out.numel() * out.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # the whole 2 MiB pages inside the tensor
-    if nbytes >= 2 * HUGE_PAGE_BYTES and os.name == "posix":
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t((start + nbytes - first) // HUGE_PAGE_BYTES *
-                                                                 HUGE_PAGE_BYTES), MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass  # a libc without madvise: 4 KiB pages
-    return out.zero_()
 
 
 def release_openmp_workers() -> bool:

@@ -15,7 +15,6 @@ from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, default_ma
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from tallyserve.runner.cpu_threads import zeros_on_huge_pages
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.memory import kv_budget_bytes
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
@@ -229,10 +228,7 @@ class ModelRunner:
         self.dtype = dtype
         shape = model.get_kv_cache_shape(num_blocks, block_size)
         layers = model_config.num_hidden_layers
-        if device.type == "cpu":  # read scattered by every decode step: on huge pages where the kernel has them
-            self.kv_caches = [zeros_on_huge_pages(shape, dtype) for _ in range(layers)]
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.host_kv_caches: list[torch.Tensor] = []
         if num_host_blocks:
             host_shape = model.get_kv_cache_shape(num_host_blocks, block_size)

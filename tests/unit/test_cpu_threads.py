@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tallyserve.runner import cpu_threads
 from tallyserve.runner.cpu_threads import CpuThreadGovernor, read_machine_busy_seconds, threads_for
@@ -133,55 +132,3 @@ def test_keep_freed_memory_stops_refaulting_large_activations():
     out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], capture_output=True, text=True, env=env,
                          cwd=str(Path(__file__).resolve().parents[2]), timeout=120)
     assert [x for x in out.stdout.splitlines() if x.startswith("MALLOC")][0].split()[1] == "False"
-
-
-def _huge_kib_in(start: int, end: int) -> int:
-    """AnonHugePages (KiB) of this process's mappings overlapping [start, end)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside and line.startswith("AnonHugePages:"):
-                total += int(line.split()[1])
-    return total
-
-
-def _thp_mode() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "absent"
-    return text.split("[")[1].split("]")[0] if "[" in text else "absent"
-
-
-def test_kv_cache_pool_is_zero_and_on_huge_pages_where_the_kernel_allows():
-    shape, dtype = (2, 700, 16, 3, 64), torch.bfloat16  # 8.2 MiB
-    t = cpu_threads.zeros_on_huge_pages(shape, dtype)
-    assert t.shape == shape and t.dtype == dtype and t.device.type == "cpu" and not t.any()
-    small = cpu_threads.zeros_on_huge_pages((3, 5), torch.float32)  # under one huge page: plain zeros
-    assert small.shape == (3, 5) and not small.any()
-    if _thp_mode() not in ("madvise", "always"):
-        pytest.skip(f"transparent huge pages are {_thp_mode()} here")
-    start = t.data_ptr()
-    assert _huge_kib_in(start, start + t.numel() * t.element_size()) >= 2048
-
-
-def test_cpu_model_runner_allocates_its_kv_cache_there(tmp_path, monkeypatch):
-    """Every layer's CPU KV cache comes from zeros_on_huge_pages, one shape for all."""
-    import tallyserve.runner.model_runner as model_runner
-    from tallyserve import LLM
-    from tests.tiny_models import make_tiny_model
-    from tests.tiny_tokenizer import make_tiny_tokenizer
-
-    shapes = []
-    real = cpu_threads.zeros_on_huge_pages
-    monkeypatch.setattr(model_runner, "zeros_on_huge_pages", lambda shape, dtype: shapes.append(tuple(shape)) or
-                        real(shape, dtype))
-    path = make_tiny_model(tmp_path / "llama", "llama")
-    make_tiny_tokenizer(path)
-    llm = LLM(model=path)
-    layers = llm.engine.model_config.num_hidden_layers
-    assert len(shapes) == layers and len(set(shapes)) == 1 and shapes[0][0] == 2
