@@ -14,6 +14,8 @@
 
 #include "attention_amx_cpu.h"
 
+#include <torch/library.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -314,3 +316,9 @@ void rows_bf16(const float*, int64_t, float*, int64_t, const uint16_t*, const ui
 #endif
 
 }  // namespace tallyserve_amx
+
+// The AMX path for chunks over a bfloat16 cache: on or off, and whether it runs.
+TORCH_LIBRARY_FRAGMENT(tallyserve_cpu, m) {
+  m.def("set_amx(bool on) -> bool", [](bool on) { return tallyserve_amx::set_enabled(on); });
+  m.def("amx_usable() -> bool", [] { return tallyserve_amx::usable(); });
+}

@@ -465,16 +465,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 // take a slow generic loop, and the Python side sends long chunks to PyTorch's SDPA instead.
 bool has_fast_rows() { return kHaveRowKernel; }
 
-// The AMX path for chunks over a bfloat16 cache (attention_amx_cpu.cpp): on or off, and whether it runs.
-bool set_amx(bool on) { return tallyserve_amx::set_enabled(on); }
-bool amx_usable() { return tallyserve_amx::usable(); }
-
 TORCH_LIBRARY(tallyserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("has_fast_rows() -> bool", &has_fast_rows);
-  m.def("set_amx(bool on) -> bool", &set_amx);
-  m.def("amx_usable() -> bool", &amx_usable);
 }
 
 TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
