@@ -8,7 +8,8 @@ in the same order as ``LlamaModel._forward_fused`` on the CPU, so outputs and ca
 the Python around ~13 operators per layer (about 4 ms of a 25 ms single-sequence step of the bundled model).
 Float32 projections take steps of up to ``CPU_MLP_CHUNK_ROWS`` rows (which the Python MLP runs whole); bfloat16
 projections (dtype="bfloat16") up to ``CPU_MLP_CHUNK_ROWS_BF16``, each product as ``layers.linear`` makes it:
-``gemv_bf16`` for one to four rows, oneDNN's matmul on the blocked weights (``pack_cpu_weight``) from five.
+``gemv_bf16`` for one to four rows, oneDNN's matmul on the blocked weights (``pack_cpu_weight``) from five; float32
+projections on oneDNN's blocked weights at every row count where the model packed them (``onednn_float32_pays``).
 ``TALLYSERVE_CPU_DECODE_LAYERS=0`` keeps the Python layers.
 """
 
@@ -27,7 +28,7 @@ from tallyserve.models import layers
 
 def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     """(bfloat16 projections?, the per-layer weights the operator takes, the same with the projections' blocked
-    copies from ``layers.pack_cpu_weight`` where every bfloat16 projection has one, else None) when ``model`` (a
+    copies from ``layers.pack_cpu_weight`` where every projection has one, else None) when ``model`` (a
     LlamaModel) fits it: fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor
     parallelism), the compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once
     per model."""
@@ -63,7 +64,7 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
                  [layer.mlp.gate_up_weight for layer in model.layers],
                  [layer.mlp.down_proj.weight for layer in model.layers]]
         blocked = None
-        if bf16 and all(getattr(w, "mkldnn_packed", None) is not None for i in (1, 2, 4, 5) for w in plain[i]):
+        if all(getattr(w, "mkldnn_packed", None) is not None for i in (1, 2, 4, 5) for w in plain[i]):
             blocked = [[getattr(w, "mkldnn_packed", w) for w in ws] for ws in plain]
         fit = (bf16, plain, blocked)
     model._cpu_weights = fit
@@ -81,8 +82,8 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
         return None
     bf16, weights, blocked = fit
     rows = x.shape[0]
-    if not bf16:
-        projections = 0
+    if not bf16:  # float32: oneDNN's blocked weights at every row count where the model packed them (3)
+        projections, weights = (0, weights) if blocked is None else (3, blocked)
     elif rows <= layers.CPU_GEMV_MAX_ROWS:
         projections = 1
     else:  # the rows layers.linear multiplies with oneDNN on the blocked weights, the MLP whole

@@ -24,7 +24,10 @@ AVX512-BF16 on CPUs that have them) and hands float32 back to the norms, RoPE, a
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +37,8 @@ from torch import nn
 
 from tallyserve.distributed import parallel_state
 from tallyserve.models import gemv
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -47,8 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
         out = gemv.gemv(x, weight, out_dtype)
         return out if bias is None else out.add_(bias)
-    packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's bf16 projections
-    if packed is not None and x.dim() == 2 and x.shape[0] > CPU_GEMV_MAX_ROWS:
+    packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's blocked projections
+    if packed is not None and x.dim() == 2 and (x.shape[0] > CPU_GEMV_MAX_ROWS or weight.dtype == torch.float32):
         out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), packed, None, "none", [], "")
         out = out.to(out_dtype)
         return out if bias is None else out.add_(bias)
@@ -63,10 +68,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
-    """Attach oneDNN's blocked copy of a bfloat16 CPU weight (``weight.mkldnn_packed``), which ``linear`` then
-    multiplies from five rows on: the plain layout was re-blocked on every call (64 decode rows of the bundled
-    model's MLP: 0.49 -> 0.28 ms; lm_head 8.3 -> 3.8 ms), with bit-identical results. The plain weight stays for
-    one to four rows (``gemv_bf16``). False where this PyTorch build has no such operators."""
+    """Attach oneDNN's blocked copy of a bfloat16 or float32 CPU weight (``weight.mkldnn_packed``), which
+    ``linear`` then multiplies: bfloat16 from five rows on (the plain weight stays for one to four rows,
+    ``gemv_bf16``), float32 at every row count (``onednn_float32_pays`` decides whether a float32 model packs).
+    The plain layout was re-blocked on every call (64 decode rows of the bundled model's bf16 MLP: 0.49 -> 0.28 ms;
+    lm_head 8.3 -> 3.8 ms), with bit-identical results. False where this PyTorch build has no such operators."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         probe = torch.zeros(CPU_GEMV_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype)
@@ -75,6 +81,50 @@ def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
         return False
     weight.mkldnn_packed = packed
     return True
+
+
+_onednn_f32: list[bool] = []
+
+
+def onednn_float32_pays() -> bool:
+    """Whether a float32 model on the CPU multiplies on oneDNN's blocked weights (``pack_cpu_weight``) rather than
+    ATen's matmul: ``TALLYSERVE_CPU_ONEDNN_FP32`` 1 / 0 forces it; by default a probe, once per process, times both
+    on 4 and 64 rows of a 1,024 x 1,024 weight and packs when oneDNN is at least 10% faster on both. Which library
+    is faster depends on the CPU: on a 2-core AMD EPYC (Zen 4) oneDNN ran the bundled model's products 1.2-4x
+    faster at 1-256 rows (lm_head, 64 rows: 37 -> 20 ms), where ATen's matmul took its slower code path."""
+    if _onednn_f32:
+        return _onednn_f32[0]
+    forced = os.environ.get("TALLYSERVE_CPU_ONEDNN_FP32", "auto").strip().lower()
+    if forced in ("0", "1"):
+        verdict = forced == "1"
+    else:
+        verdict = _probe_onednn_float32()
+    _onednn_f32.append(verdict)
+    return verdict
+
+
+def _probe_onednn_float32(size: int = 1024, repeats: int = 5) -> bool:
+    weight = torch.randn(size, size)
+    if not pack_cpu_weight(weight):
+        return False
+    packed = weight.mkldnn_packed
+    faster = []
+    for rows in (4, 64):
+        x = torch.randn(rows, size)
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return min(times)
+        aten = best(lambda: F.linear(x, weight))
+        onednn = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        faster.append(onednn * 1.1 <= aten)
+        logger.debug("float32 product probe, %d rows: ATen %.3f ms, oneDNN %.3f ms", rows, aten * 1e3, onednn * 1e3)
+    return all(faster)
 
 
 CPU_GEMV_MAX_ROWS = 4

@@ -387,23 +387,28 @@ class LlamaForCausalLM(nn.Module):
         # its own parameter: a tied lm_head shares the embedding's, which stays in the model's dtype
         self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
         if self.model.embed_tokens.weight.device.type == "cpu" and dtype == torch.bfloat16:
-            # oneDNN's blocked copies of the weights, so the matmuls do not re-block them on every call
-            used = [self.lm_head.weight]
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                used += [attn.qkv_weight] if attn.qkv_weight is not None else \
-                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-                used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
-                    [mlp.gate_proj.weight, mlp.up_proj.weight]
-                used += [attn.o_proj.weight, mlp.down_proj.weight]
-            for w in used:
-                if w.is_contiguous():
-                    pack_cpu_weight(w)
+            self.pack_cpu_weights()
         if self.model.fused and self.model.embed_tokens.weight.device.type == "cpu":
             # the norms hand the matmuls bfloat16 and the MLP stays in it; q/k/v return in the model's dtype
             self.model.matmul_dtype = dtype
             for layer in self.model.layers:
                 layer.self_attn.act_dtype = self.model.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def pack_cpu_weights(self) -> int:
+        """oneDNN's blocked copies of the projections' CPU weights (q/k/v, o, gate/up, down, lm_head), so their
+        matmuls do not re-block them on every call (``layers.pack_cpu_weight``): the bfloat16 projections of
+        ``set_matmul_dtype``, and a float32 model's where oneDNN is the faster library. Returns how many were
+        packed."""
+        used = [self.lm_head.weight]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            used += [attn.qkv_weight] if attn.qkv_weight is not None else \
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+            used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
+                [mlp.gate_proj.weight, mlp.up_proj.weight]
+            used += [attn.o_proj.weight, mlp.down_proj.weight]
+        return sum(pack_cpu_weight(w) for w in used if w.device.type == "cpu" and w.is_contiguous())
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size). Under tensor parallelism

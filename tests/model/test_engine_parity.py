@@ -129,3 +129,23 @@ def test_mixed_n_and_max_tokens(tiny, async_sched):
         for comp in out.outputs:
             assert comp.token_ids == ref[: p.max_tokens]
     _assert_ledger(llm)
+
+
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_float32_products_on_either_cpu_library_keep_parity(tiny, monkeypatch, onednn):
+    """A float32 model on the CPU multiplies on ATen's matmul or on oneDNN's blocked weights, whichever the probe
+    finds faster (TALLYSERVE_CPU_ONEDNN_FP32 forces one): every projection is packed or none is, and both keep
+    greedy parity with transformers, through the Python layers (prompts) and the compiled decode layers."""
+    from tallyserve.models import layers
+
+    monkeypatch.setenv("TALLYSERVE_CPU_ONEDNN_FP32", onednn)
+    monkeypatch.setattr(layers, "_onednn_f32", [])
+    path, prompts, refs = tiny
+    llm = LLM(model=path, num_gpu_blocks_override=64)
+    model = llm.engine.executor.runner.model
+    projections = [model.lm_head.weight] + [w for layer in model.model.layers for w in (
+        layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
+        layer.mlp.down_proj.weight)]
+    packed = [getattr(w, "mkldnn_packed", None) is not None for w in projections]
+    assert packed == [onednn == "1"] * len(projections)
+    _assert_parity(_run(llm, prompts), refs)

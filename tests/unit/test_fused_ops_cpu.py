@@ -334,11 +334,12 @@ def test_kv_cache_write_rounds_like_torch_and_zeroes_non_finite_values(dim, dtyp
                        want.view(torch.int16) if dtype == torch.bfloat16 else want.view(torch.int32))
 
 
-@pytest.mark.parametrize("arch,matmul_dtype", [("llama", None), ("llama", torch.bfloat16), ("qwen3", None),
-                                                ("qwen2", None)])
+@pytest.mark.parametrize("arch,matmul_dtype", [("llama", None), ("llama", torch.bfloat16), ("llama", "onednn"),
+                                                ("qwen3", None), ("qwen2", None)])
 def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypatch, arch, matmul_dtype):
     """A step whose requests all take the compiled attention kernel in place runs its decoder layers in one
-    compiled call (tallyserve_cpu::decode_layers, float32 or bfloat16 projections): the same operators in the same
+    compiled call (tallyserve_cpu::decode_layers, float32 projections on ATen's matmul or on oneDNN's blocked
+    weights ("onednn"), or bfloat16 projections): the same operators in the same
     order as the Python layers, so the outputs and the KV cache are
     bit-identical; models it does not cover (q/k norm, biases), long chunks and TALLYSERVE_CPU_DECODE_LAYERS=0
     keep the Python layers."""
@@ -346,7 +347,11 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     model = load_model(resolve_model(model_dir, "auto"), "auto", torch.float32, torch.device("cpu"), 0,
                        CpuSdpaBackend())
     assert model.enable_fused_kernels()
-    if matmul_dtype is not None:
+    packed = matmul_dtype == "onednn"
+    if packed:  # a float32 model on oneDNN's blocked weights, as where it is the faster library
+        assert model.pack_cpu_weights() == 4 * 2 + 1  # q/k/v, o, gate/up, down of two layers, and lm_head
+        matmul_dtype = None
+    elif matmul_dtype is not None:
         if not hasattr(torch.ops.tallyserve_cpu, "gemv_bf16"):
             pytest.skip("the kernels were built without AVX512-BF16")
         model.set_matmul_dtype(matmul_dtype)
@@ -378,6 +383,8 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     plain, plain_caches, plain_used = run("0")
     fast, fast_caches, fast_used = run("1")
     assert not any(plain_used)
+    if arch == "llama":  # the compiled call took the blocked weights wherever the model packed them
+        assert (cpu_layers.layer_weights(inner)[2] is not None) == (matmul_dtype is not None or packed)
     # bfloat16: one to four rows through gemv_bf16, more through oneDNN on the blocked weights, as layers.linear
     assert fast_used == ([True, True, False, True, True, True] if arch == "llama" else [False] * 6)
     assert torch.equal(fast, plain)
@@ -414,3 +421,19 @@ def test_greedy_argmax_vocabulary_rows():
     assert torch.equal(got, x.argmax(dim=-1)) and got[3] == 7 and got[5] == 49151
     with pytest.raises(RuntimeError, match="argmax_rows"):
         torch.ops.tallyserve_cpu.argmax_rows(x.t())  # not contiguous
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), n=st.integers(1, 200), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_float32_linear_on_blocked_weights_equals_aten(rows, n, k, seed):
+    """layers.linear on a float32 weight packed for oneDNN (pack_cpu_weight) multiplies at every row count, one
+    included, and equals ATen's product to float32 rounding (only the order of the sums differs)."""
+    from tallyserve.models import layers
+
+    g = torch.Generator().manual_seed(seed)
+    weight, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    want = F.linear(x, weight)
+    assert layers.pack_cpu_weight(weight)
+    got = layers.linear(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)

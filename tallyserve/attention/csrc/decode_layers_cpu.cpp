@@ -20,9 +20,10 @@ using namespace tallyserve_cpu_ops;
 // paged attention, the output product, add + RMSNorm, gate/up, SiLU-and-multiply, down; then the final add +
 // RMSNorm. x: the float32 embeddings (T, H), updated in place as the residual stream. What this saves is the Python
 // around ~13 operators per layer (a one-sequence step of the bundled model spent ~4 ms of its ~25 there).
-// Three variants (projections): 0, float32 projections (ATen's matmul); under dtype="bfloat16" (the norms and
-// SiLU-and-multiply handing the projections bfloat16, q/k/v back in float32) 1, one to four rows through gemv_bf16,
-// and 2, more rows through oneDNN's matmul on the blocked weights (pack_cpu_weight), as layers.linear picks them.
+// Four variants (projections): float32 projections through ATen's matmul (0) or oneDNN's on the blocked weights
+// (3, pack_cpu_weight); under dtype="bfloat16" (the norms and SiLU-and-multiply handing the projections bfloat16,
+// q/k/v back in float32) 1, one to four rows through gemv_bf16, and 2, more rows through oneDNN's matmul on the
+// blocked weights, as layers.linear picks them.
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, double);
 
@@ -70,8 +71,8 @@ at::Tensor run_decode_layers(at::Tensor x, const LayerWeights& w, const at::Tens
   return add_rms_norm(h.to(at::kFloat), residual, final_norm, eps);
 }
 
-// layers.linear from five rows on for a bfloat16 weight with oneDNN's blocked copy (pack_cpu_weight): oneDNN's
-// bfloat16 matmul on x, the product in bfloat16.
+// layers.linear on a weight with oneDNN's blocked copy (pack_cpu_weight; bfloat16 from five rows on, float32 at
+// every row count): oneDNN's matmul on x, the product in the weight's dtype.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, packed, c10::IValue(), std::string("none"),
@@ -87,8 +88,8 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                          int64_t projections) {
-  TORCH_CHECK(projections >= 0 && projections <= 2, "decode_layers: projections 0 (float32), 1 (bfloat16, one to "
-              "four rows) or 2 (bfloat16, oneDNN's blocked weights)");
+  TORCH_CHECK(projections >= 0 && projections <= 3, "decode_layers: projections 0 (float32), 1 (bfloat16, one to "
+              "four rows), 2 (bfloat16, oneDNN's blocked weights) or 3 (float32, oneDNN's blocked weights)");
   const LayerWeights w{in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w};
   auto norm_bf16 = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
     return add_rms_norm_bf16(a, r, wt, eps);
@@ -115,18 +116,23 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
                 " rows");
     return run_bf16([](const at::Tensor& a, const at::Tensor& b) { return linear_packed(a, b); });
   }
-  if (projections == 0) {
-    auto product = [](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); };
+  // float32 projections: ATen's matmul on the plain weights (0), or oneDNN's on the blocked ones (3), as
+  // layers.linear makes them
+  auto run_f32 = [&](auto product) {
     auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
       return add_rms_norm(a, r, wt, eps);
     };
-    auto mlp = [](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
-      at::Tensor gate_up = at::linear(a, gate_up_weight);  // Python: F.silu(gate) * up, then down
+    auto mlp = [product](const at::Tensor& a, const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
+      at::Tensor gate_up = product(a, gate_up_weight);  // Python: F.silu(gate) * up, then down
       const int64_t n = gate_up.size(1) / 2;
-      return at::linear(at::silu(gate_up.narrow(1, 0, n)) * gate_up.narrow(1, n, n), down_weight);
+      return product(at::silu(gate_up.narrow(1, 0, n)) * gate_up.narrow(1, n, n), down_weight);
     };
     return run_decode_layers(x, w, final_norm, eps, num_q_heads, num_kv_heads, head_dim, cos, sin, kv_caches,
                              slot_mapping, block_tables, query_start_loc, seq_lens, scale, product, product, norm, mlp);
+  };
+  if (projections == 0) return run_f32([](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); });
+  if (projections == 3) {
+    return run_f32([](const at::Tensor& a, const at::Tensor& b) { return linear_packed(a.contiguous(), b); });
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   TORCH_CHECK(x.size(0) <= kGemvMaxRows, "decode_layers with bfloat16 projections: 1 to ", kGemvMaxRows, " rows");
