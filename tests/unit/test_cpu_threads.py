@@ -1,4 +1,5 @@
-"""The CPU thread governor: threads follow the cores other processes leave free, after two agreeing windows;
+"""The CPU thread governor: threads follow the cores other processes leave free, or share them all, after two
+agreeing windows;
 and malloc keeping freed large blocks for reuse."""
 import os
 import subprocess
@@ -33,14 +34,17 @@ class FakeMachine:
 def test_rule():
     assert threads_for(2, 0.0, 2) == 2
     assert threads_for(2, 0.2, 2) == 2  # light background work keeps both
-    assert threads_for(2, 0.67, 2) == 1  # a busy loop time-sharing with 2 threads
-    assert threads_for(2, 1.0, 2) == 1
-    assert threads_for(2, 5.0, 2) == 1  # never below one
-    assert threads_for(16, 3.0, 16) == 13
-    assert threads_for(16, 0.0, 8) == 8  # never above the start count
+    # one busy loop: one free core, or 4 threads sharing both cores (4/5 of 2 cores, 1.44 after the margin)
+    assert threads_for(2, 0.67, 2) == 4  # a busy loop time-sharing with 2 threads
+    assert threads_for(2, 1.0, 2) == 4
+    assert threads_for(2, 0.4, 2) == 4  # the same loop seen from 4 sharing threads (it gets 1/5 of 2 cores): stay
+    assert threads_for(2, 5.0, 2) == 1  # five busy loops: sharing would give 4/9 of 2 cores; never below one
+    assert threads_for(16, 3.0, 16) == 13  # many cores: the free ones beat sharing (13 against 14.6 x 0.9)
+    assert threads_for(16, 0.0, 8) == 8  # quiet: never above the start count
+    assert threads_for(1, 1.0, 1) == 1  # one core: nothing to share out
 
 
-def test_a_busy_neighbour_drops_a_thread_and_its_exit_brings_it_back(monkeypatch):
+def test_a_busy_neighbour_makes_the_threads_share_the_cores_and_its_exit_brings_them_back(monkeypatch):
     m = FakeMachine()
     g = m.governor(monkeypatch)
     m.run(0.6, ours=2.0, others=0.0)
@@ -48,14 +52,28 @@ def test_a_busy_neighbour_drops_a_thread_and_its_exit_brings_it_back(monkeypatch
     m.run(0.6, ours=1.33, others=0.67)  # first window that sees the neighbour: not yet
     assert g.step() == 2 and m.set_calls == []
     m.run(0.6, ours=1.33, others=0.67)
-    assert g.step() == 1 and m.set_calls == [1]
-    m.run(0.6, ours=1.0, others=1.0)  # with one thread the neighbour gets its full core: stays at one
-    assert g.step() == 1
-    m.run(0.6, ours=1.0, others=0.0)
-    m.run(0.1, ours=1.0, others=0.0)  # steps inside a window do not decide anything
-    assert g.step() == 1
-    m.run(0.6, ours=1.0, others=0.0)
-    assert g.step() == 2 and m.set_calls == [1, 2] and g.changes == 2
+    assert g.step() == 4 and m.set_calls == [4]  # four threads share both cores with it
+    m.run(0.6, ours=1.6, others=0.4)  # sharing, the neighbour gets 1/5 of the cores: stays at four
+    assert g.step() == 4
+    m.run(0.6, ours=2.0, others=0.0)
+    m.run(0.1, ours=2.0, others=0.0)  # steps inside a window do not decide anything
+    assert g.step() == 4
+    m.run(0.6, ours=2.0, others=0.0)
+    assert g.step() == 2 and m.set_calls == [4, 2] and g.changes == 2
+
+
+def test_one_long_window_decides_on_its_own(monkeypatch):
+    """A step of seconds (a long prompt chunk) is a window that averages enough: the count changes after it."""
+    m = FakeMachine()
+    g = m.governor(monkeypatch)
+    m.run(0.6, ours=2.0, others=0.0)
+    assert g.step() == 2
+    m.run(1.9, ours=1.33, others=0.67)  # a short window: waits for a second one
+    assert g.step() == 2 and m.set_calls == []
+    m.run(0.6, ours=2.0, others=0.0)
+    assert g.step() == 2
+    m.run(2.5, ours=1.33, others=0.67)
+    assert g.step() == 4 and m.set_calls == [4]
 
 
 def test_a_single_noisy_window_changes_nothing(monkeypatch):
