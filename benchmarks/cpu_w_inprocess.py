@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     if args.log_threads:
         step = cpu_threads.CpuThreadGovernor.step
 
-        def logged(self):
-            n = step(self)
+        def logged(self, num_tokens=None):
+            n = step(self, num_tokens)
             if not changes or changes[-1][1] != n:
                 changes.append((time.monotonic(), n))
             return n

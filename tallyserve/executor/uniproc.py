@@ -73,6 +73,8 @@ class UniProcExecutor(Executor):
         return conn.metadata() if conn is not None and hasattr(conn, "metadata") and rank == 0 else None
 
     def shutdown(self) -> None:
+        if self.cpu_threads is not None:
+            self.cpu_threads.close()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
 
@@ -85,13 +87,13 @@ class UniProcExecutor(Executor):
     def launch(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:
         if self.cpu_threads is not None:
-            self.cpu_threads.step()
+            self.cpu_threads.step(so.total_tokens)
         return self.runner.launch(so, prepared, prev, draft_probs)
 
     def launch_forward(self, so: SchedulerOutput, prepared: ForwardBatch, prev: Optional[AsyncModelRunnerOutput],
                        draft_probs: Optional[dict[str, torch.Tensor]] = None) -> PendingForward:
         if self.cpu_threads is not None:
-            self.cpu_threads.step()
+            self.cpu_threads.step(so.total_tokens)
         return self.runner.launch_forward(so, prepared, prev, draft_probs)
 
     @property

@@ -62,6 +62,43 @@ def test_a_busy_neighbour_makes_the_threads_share_the_cores_and_its_exit_brings_
     assert g.step() == 2 and m.set_calls == [4, 2] and g.changes == 2
 
 
+def test_small_steps_run_on_the_free_cores_while_the_big_ones_share_them(monkeypatch):
+    """Sharing pays for long operators only: a decode step's operators last microseconds and a descheduled sharing
+    thread holds its team at the barrier, so steps under SHARED_MIN_TOKENS take the free cores."""
+    m = FakeMachine()
+    g = m.governor(monkeypatch)
+    small, big = cpu_threads.SHARED_MIN_TOKENS - 1, cpu_threads.SHARED_MIN_TOKENS
+    assert g.step(small) == 2 and g.step(big) == 2  # quiet: the start count whatever the size
+    for _ in range(2):
+        m.run(0.6, ours=1.33, others=0.67)
+        g.step(big)
+    assert g.decision == 4 and g.free == 1 and m.set_calls == [4]
+    assert [g.step(n) for n in (small, small, big, None, 1, big)] == [1, 1, 4, 4, 1, 4]
+    assert m.set_calls == [4, 1, 4, 1, 4]  # a change only where the count differs from the last step's
+    for _ in range(2):  # the neighbour leaves: every step back on the start count
+        m.run(0.6, ours=2.0, others=0.0)
+        g.step(big)
+    assert g.decision == 2 and [g.step(small), g.step(big)] == [2, 2]
+
+
+def test_close_gives_the_process_its_thread_count_back(monkeypatch):
+    """torch.set_num_threads is process-wide: an engine shut down while sharing must not leave its count behind."""
+    m = FakeMachine()
+    monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 2)
+    g = m.governor(monkeypatch)
+    for _ in range(2):
+        m.run(0.6, ours=1.33, others=0.67)
+        g.step()
+    assert g.threads == 4
+    g.close()
+    assert m.set_calls == [4, 2] and g.threads == 2
+    g.close()  # twice: nothing more to restore
+    assert m.set_calls == [4, 2]
+    pinned = FakeMachine().governor(monkeypatch, setting="1")
+    pinned.close()
+    assert pinned.threads == 2
+
+
 def test_one_long_window_decides_on_its_own(monkeypatch):
     """A step of seconds (a long prompt chunk) is a window that averages enough: the count changes after it."""
     m = FakeMachine()
