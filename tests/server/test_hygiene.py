@@ -266,7 +266,9 @@ def test_large_prompts_are_tokenized_off_the_event_loop(hostile):
         t.join()
         err = result["r"].json()["error"]
         assert result["r"].status_code == 400 and err["code"] == "context_length_exceeded", err
-        assert len(latencies) >= 3 and max(latencies) < 0.5, (path, latencies)
+        # tokenizing takes seconds here: on the event loop, one probe would wait for all of it; off it, probes
+        # answer at once (0.54 s was seen on a loaded 2-core machine, so the bound leaves room for a busy neighbour)
+        assert len(latencies) >= 3 and max(latencies) < 1.5, (path, latencies)
 
 
 def test_docs_can_be_disabled(hostile):
