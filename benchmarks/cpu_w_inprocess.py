@@ -6,7 +6,8 @@ hash of its output token ids (the same hash means the same greedy tokens).
     TALLYSERVE_CPU_ONEDNN_FP32=0 python benchmarks/cpu_w_inprocess.py --dtype float32 --max-tokens 64
     python3 -c "while True: pass" & python benchmarks/cpu_w_inprocess.py --max-tokens 64; kill %1   # beside a busy loop
 
-``--log-threads`` prints each change of the CPU thread governor with its time (TALLYSERVE_CPU_THREADS pins it)."""
+``--log-threads`` prints each change of the CPU thread governor with its time (TALLYSERVE_CPU_THREADS pins it);
+``--vector-width 16|8|0`` runs the attention kernel's AVX-512, AVX2 or generic path (default: the widest built)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     ap.add_argument("--log-threads", action="store_true")
+    ap.add_argument("--vector-width", type=int, choices=[16, 8, 0], default=None)
     args = ap.parse_args(argv)
     if min(args.max_tokens) < 1 or args.threads < 1 or args.num_prompts < 1:
         ap.error("--max-tokens, --threads and --num-prompts must be positive")
@@ -45,6 +47,10 @@ def main(argv=None) -> int:
                 changes.append((time.monotonic(), n))
             return n
         cpu_threads.CpuThreadGovernor.step = logged
+    if args.vector_width is not None:
+        from tallyserve.attention import cpu_kernels
+        if not cpu_kernels.load() or torch.ops.tallyserve_cpu.set_vector_width(args.vector_width) != args.vector_width:
+            ap.error(f"this build has no {args.vector_width}-lane attention path")
     llm = LLM(dtype=args.dtype, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in make_workload(args.num_prompts, SEED)]
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

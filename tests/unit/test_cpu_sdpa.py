@@ -19,14 +19,34 @@ from tests.unit.test_attention_ref import dense_causal_attention, make_case
 KERNEL = cpu_kernels.load()
 
 
-@pytest.fixture(autouse=True, params=["kernel", "gather"])
+WIDEST = torch.ops.tallyserve_cpu.vector_width() if KERNEL else 0
+# the kernel's head_dim-64 vector paths this build has: 16 lanes (AVX-512), 8 (AVX2 + FMA), 0 (the generic loop)
+WIDTHS = [w for w in (16, 8, 0) if KERNEL and torch.ops.tallyserve_cpu.set_vector_width(w) == w]
+if KERNEL:
+    torch.ops.tallyserve_cpu.set_vector_width(WIDEST)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "kernel-avx2", "kernel-generic", "gather"])
 def path(request, monkeypatch):
-    """Every case runs on both float32 paths: the compiled in-place kernel and the gather + SDPA one."""
-    if request.param == "kernel" and not KERNEL:
+    """Every case runs on each float32 path: the compiled in-place kernel on its widest vector path, on the AVX2
+    path and on its generic loop (where the build is wider), and the gather + SDPA one."""
+    if request.param.startswith("kernel") and not KERNEL:
         pytest.skip("the CPU kernels could not be built here")
+    width = {"kernel": WIDEST, "kernel-avx2": 8, "kernel-generic": 0}.get(request.param)
+    if width is not None and width not in WIDTHS:
+        pytest.skip(f"this build has no {width}-lane path")
+    if request.param != "kernel" and width == WIDEST:
+        pytest.skip("the same path as 'kernel' in this build")
     if request.param == "gather":
         monkeypatch.setattr(cpu_sdpa, "_use_kernel", lambda q, kv: False)
-    return request.param
+    if width is not None:
+        torch.ops.tallyserve_cpu.set_vector_width(width)
+        monkeypatch.setattr(cpu_sdpa, "_fast_rows", [width > 0])
+        cpu_sdpa._last_plan[:] = [None, None, None]
+    yield request.param
+    if width is not None:
+        torch.ops.tallyserve_cpu.set_vector_width(WIDEST)
+        cpu_sdpa._last_plan[:] = [None, None, None]
 
 
 def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, num_padding=0):
@@ -54,7 +74,7 @@ def test_the_kernel_builds_where_a_compiler_is(path):
 
 
 def test_kernel_refuses_bad_block_ids(path):
-    if path != "kernel":
+    if not path.startswith("kernel"):
         pytest.skip("the kernel's own check")
     q, k, v, cache, meta, _, _ = make_case([(3, 1)], 4, 2, 32, 4, seed=1)
     bad = meta.block_tables.clone().to(torch.int32)
@@ -157,7 +177,7 @@ def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq,
     """q sliced out of the fused q/k/v output (strided rows) gives the same output as a contiguous copy, for
     decode rows (the one-row kernel at head_dim 64) and multi-row items alike; rows outside every request
     come back zero, although the output is not zero-filled first."""
-    if path != "kernel":
+    if not path.startswith("kernel"):
         pytest.skip("the kernel's own contract")
     reqs = [(0, 7), (5, 1), (30, 1), (9, 12), (16, 1)]
     q, k, v, cache, meta, _, _ = make_case(reqs, hq, hkv, d, 4, seed=d + hq, num_padding=3)
@@ -184,7 +204,7 @@ def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq,
 def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
     """A (1, Hq, D) q counts as contiguous in PyTorch whatever its row stride (size-1 dimension): the kernel
     takes it as it is."""
-    if path != "kernel":
+    if not path.startswith("kernel"):
         pytest.skip("the kernel's own contract")
     q, k, v, cache, meta, _, _ = make_case([(20, 1)], 9, 3, 64, 4, seed=3)
     cache.copy_(torch.where(cache.isnan(), torch.zeros_like(cache), cache))
@@ -205,10 +225,10 @@ def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
     ([(0, 17), (3, 21)], 1),  # key counts that are not multiples of 8, one-slot blocks
 ])
 def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(path, hq, hkv, reqs, block_size, monkeypatch):
-    """With the kernel's AVX-512 flash path (head_dim 64), fresh prompts and long chunks whose keys fit
+    """With the kernel's flash path (head_dim 64, AVX-512 or AVX2), fresh prompts and long chunks whose keys fit
     FAST_ROWS_MAX_KEYS attend in place in one kernel call (no gathered copies, no SDPA): the dense reference's
     answer, float32 and bfloat16 caches."""
-    if path != "kernel" or not torch.ops.tallyserve_cpu.has_fast_rows():
+    if not path.startswith("kernel") or not torch.ops.tallyserve_cpu.has_fast_rows():
         pytest.skip("the kernel's flash path for chunks")
     called = []
     monkeypatch.setattr(cpu_sdpa, "_causal_flash", lambda *a: called.append("sdpa"))
@@ -222,7 +242,7 @@ def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(path, hq, hkv, re
 def test_chunks_past_the_key_limit_take_the_fused_sdpa(path, reqs, monkeypatch):
     """Chunks whose last row sees more than FAST_ROWS_MAX_KEYS keys (long prompts, where PyTorch's SDPA is
     faster) keep the fused SDPA passes: a fresh prompt, and a chunk over a cached prefix."""
-    if path != "kernel":
+    if not path.startswith("kernel"):
         pytest.skip("the kernel's routing")
     monkeypatch.setattr(cpu_sdpa, "FAST_ROWS_MAX_KEYS", 20)
     cpu_sdpa._last_plan[:] = [None, None, None]

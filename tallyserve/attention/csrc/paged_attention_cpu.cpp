@@ -6,20 +6,22 @@
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]), at positions
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
 //
-// One work item is (request, a run of up to 16 query rows), all heads (with fewer items than threads, an item is
-// split by KV head group). Items, largest first, are dealt round-robin to ATen's threads. With AVX-512 and
-// head_dim 64, a one-row item (decode) keeps its scores whole (softmax: max, exp, sum in float32, like the
-// reference) and reads each K/V row once for all query heads of its group (one_row_d64); a multi-row item (a
-// chunk, speculative rows) runs flash-style with its rows in the vector lanes (rows_d64); over a bfloat16 cache
-// on a CPU with AMX, items of up to 64 rows take attention_amx_cpu.cpp's tiles instead. Otherwise a generic
-// loop: each position's K row (every KV head, contiguous) read once for all query heads of the item, scores kept
-// whole per row, then the weighted V rows summed.
+// One work item is (request, a run of up to 16 query rows: 8 on the AVX2 paths), all heads (with fewer items than
+// threads, an item is split by KV head group). Items, largest first, are dealt round-robin to ATen's threads. At
+// head_dim 64 with vector paths (16 lanes of AVX-512, or 8 of AVX2 + FMA: attention_avx2_cpu.h), a one-row item
+// (decode) keeps its scores whole (softmax: max, exp, sum in float32, like the reference) and reads each K/V row
+// once for all query heads of its group (one_row_d64); a multi-row item (a chunk, speculative rows) runs
+// flash-style with its rows in the vector lanes (rows_d64); over a bfloat16 cache on a CPU with AMX, items of up
+// to 64 rows take attention_amx_cpu.cpp's tiles instead. Otherwise a generic loop: each position's K row (every KV
+// head, contiguous) read once for all query heads of the item, scores kept whole per row, then the weighted V rows
+// summed. The widest path built is the default; set_vector_width picks a narrower one (tests run each).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "attention_amx_cpu.h"
+#include "attention_avx2_cpu.h"
 #include "attention_vec_cpu.h"
 #include "cpu_math.h"
 
@@ -40,6 +43,12 @@ constexpr int64_t kRowsPerItem = 16;
 constexpr int64_t kKeysPerPiece = 256;  // rows_d64: keys per piece of float32 scratch
 
 using namespace tallyserve_attention_vec;
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kHaveAvx2Kernel = true;
+#else
+constexpr bool kHaveAvx2Kernel = false;
+#endif
 
 #if defined(__AVX512F__)
 constexpr bool kHaveRowKernel = true;
@@ -210,6 +219,33 @@ void rows_d64(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, co
               int64_t, int64_t, float, float*, float*, float*, float*, float*) {}
 #endif
 
+// Lanes of the head_dim-64 vector paths in use: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (the generic loop only).
+constexpr int64_t kWidestPath = kHaveRowKernel ? 16 : (kHaveAvx2Kernel ? 8 : 0);
+std::atomic<int64_t> g_width{kWidestPath};
+
+#if defined(__AVX2__) && defined(__FMA__)
+static_assert(tallyserve_avx2::kKeysPerPiece <= kKeysPerPiece, "attend_items sizes the AVX2 path's scratch");
+
+template <typename KvT>
+void avx2_one_row(const float* q, float* o, const KvT* K, const KvT* V, const int64_t* row_off, int64_t nkeys,
+                  int64_t h_lo, int64_t h_hi, int64_t G, float sc, float* scores) {
+  tallyserve_avx2::one_row_d64(q, o, K, V, row_off, nkeys, h_lo, h_hi, G, sc, scores);
+}
+template <typename KvT>
+void avx2_rows(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT* K, const KvT* V,
+               const int64_t* row_off, int64_t nrow, int64_t first, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
+               float* kc, float* vc, float* qt, float* ot, float* stats) {
+  tallyserve_avx2::rows_d64(q, q_row, o, o_row, K, V, row_off, nrow, first, h_lo, h_hi, G, sc, kc, vc, qt, ot, stats);
+}
+#else
+template <typename KvT>
+void avx2_one_row(const float*, float*, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                  float, float*) {}
+template <typename KvT>
+void avx2_rows(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, const int64_t*, int64_t, int64_t,
+               int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*) {}
+#endif
+
 struct Item {
   int64_t req, row_lo, row_hi, cost, head_lo, head_hi;  // query heads [head_lo, head_hi)
 };
@@ -218,7 +254,7 @@ struct Item {
 template <typename KvT>
 void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std::vector<Item>& items,
                   const int64_t* qsl, const int64_t* sl, const int32_t* bt, int64_t MB, int64_t NB, int64_t BS,
-                  int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale, bool amx) {
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t G, double scale, bool amx, int64_t width) {
   const float* Q = q.data_ptr<float>();
   const int64_t q_row = q.stride(0);  // q may be a view of the fused q/k/v rows
   const KvT* V = K + NB * BS * Hkv * D;
@@ -249,19 +285,29 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
           const int64_t base = static_cast<int64_t>(blocks[b]) * BS * row_stride;
           for (int64_t r = 0; r < BS && j < nkeys; ++r, ++j) row_off[j] = base + r * row_stride;
         }
-        if (kHaveRowKernel && D == 64 && G <= 4 && nrow == 1) {
+        if (width && D == 64 && G <= 4 && nrow == 1) {
           if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
-          one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+          if (width == 16)
+            one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+          else
+            avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data());
           continue;
         }
         if constexpr (std::is_same<KvT, uint16_t>::value) {
-          if (kHaveRowKernel && D == 64 && amx) {
+          if (width == 16 && D == 64 && amx) {
             tallyserve_amx::rows_bf16(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo,
                                       w.head_lo, w.head_hi, G, sc, amx_scratch);
             continue;
           }
         }
-        if (kHaveRowKernel && D == 64) {
+        if (width == 8 && D == 64) {
+          if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
+          if (qt.size() < static_cast<size_t>(G * 512)) qt.resize(G * 512), ot.resize(G * 512), stats.resize(G * 16);
+          avx2_rows(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
+                    sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+          continue;
+        }
+        if (width == 16 && D == 64) {
           if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
           if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
           rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
@@ -323,8 +369,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] >= 0 && qsl[0] <= T && qsl[R] <= T, "query_start_loc outside q's rows");
   // (the AMX path takes longer runs of rows: its tiles of 16 rows share the copies of K and V^T)
-  const bool amx = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && kHaveRowKernel && tallyserve_amx::usable();
-  const int64_t per_item = amx ? tallyserve_amx::kRowsPerItem : kRowsPerItem;
+  const int64_t width = g_width.load();  // taken once: the items are cut for the path that runs them
+  const bool amx = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && width == 16 && tallyserve_amx::usable();
+  const int64_t per_item = amx ? tallyserve_amx::kRowsPerItem : (width == 8 ? tallyserve_avx2::kRows : kRowsPerItem);
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = qsl[r + 1] - qsl[r];
@@ -355,23 +402,37 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   if (qsl[0] > 0) out.narrow(0, 0, qsl[0]).zero_();
   if (qsl[R] < T) out.narrow(0, qsl[R], T - qsl[R]).zero_();
   if (kv_cache.scalar_type() == at::kFloat)
-    attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale, false);
+    attend_items(q, out, kv_cache.data_ptr<float>(), items, qsl, sl, bt, MB, NB, BS, Hq, Hkv, D, G, scale, false,
+                 width);
   else
     attend_items(q, out, reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>()), items, qsl, sl, bt, MB,
-                 NB, BS, Hq, Hkv, D, G, scale, amx);
+                 NB, BS, Hq, Hkv, D, G, scale, amx, width);
   return out;
 }
 
 }  // namespace
 
-// Whether this build has the AVX-512 paths for head_dim 64 (one_row_d64, rows_d64); without them multi-row items
-// take a slow generic loop, and the Python side sends long chunks to PyTorch's SDPA instead.
-bool has_fast_rows() { return kHaveRowKernel; }
+// Whether a vector path for head_dim 64 is in use (one_row_d64, rows_d64: AVX-512 or AVX2); without one, multi-row
+// items take a slow generic loop, and the Python side sends long chunks to PyTorch's SDPA instead.
+bool has_fast_rows() { return g_width.load() > 0; }
+
+// The lanes of the head_dim-64 path in use (16, 8, or 0 for the generic loop only).
+int64_t vector_width() { return g_width.load(); }
+
+// Use the path of `width` lanes (16, 8 or 0) where this build has it; returns the width in use after the call.
+int64_t set_vector_width(int64_t width) {
+  TORCH_CHECK(width == 0 || width == 8 || width == 16, "vector width must be 0, 8 or 16");
+  const bool built = width == 0 || (width == 8 && kHaveAvx2Kernel) || (width == 16 && kHaveRowKernel);
+  if (built) g_width.store(width);
+  return g_width.load();
+}
 
 TORCH_LIBRARY(tallyserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("has_fast_rows() -> bool", &has_fast_rows);
+  m.def("vector_width() -> int", &vector_width);
+  m.def("set_vector_width(int width) -> int", &set_vector_width);
 }
 
 TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

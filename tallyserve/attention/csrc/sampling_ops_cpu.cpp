@@ -15,7 +15,7 @@
 
 #include "fused_ops_cpu.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,16 @@ int64_t argmax_row(const float* x, int64_t n) {
     top = _mm512_max_ps(top, v);
   }
   best = _mm512_reduce_max_ps(top);
+#elif defined(__AVX2__)
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= n; j += 8) {  // as above, 8 lanes
+    const __m256 v = _mm256_loadu_ps(x + j);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+    top = _mm256_max_ps(top, v);
+  }
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  best = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 #endif
   for (int64_t k = j; k < n; ++k) {
     if (std::isnan(x[k])) return k;  // the first NaN (none before j: its blocks were checked)
@@ -43,6 +53,12 @@ int64_t argmax_row(const float* x, int64_t n) {
   const __m512 want = _mm512_set1_ps(best);
   for (; k + 16 <= n; k += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), want, _CMP_EQ_OQ);
+    if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#elif defined(__AVX2__)
+  const __m256 want = _mm256_set1_ps(best);
+  for (; k + 8 <= n; k += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), want, _CMP_EQ_OQ));
     if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif
