@@ -9,7 +9,8 @@ the Python around ~13 operators per layer (about 4 ms of a 25 ms single-sequence
 Float32 projections take steps of up to ``CPU_MLP_CHUNK_ROWS`` rows (which the Python MLP runs whole); bfloat16
 projections (dtype="bfloat16") up to ``CPU_MLP_CHUNK_ROWS_BF16``, each product as ``layers.linear`` makes it:
 ``gemv_bf16`` for one to four rows, oneDNN's matmul on the blocked weights (``pack_cpu_weight``) from five; float32
-projections on oneDNN's blocked weights at every row count where the model packed them (``onednn_float32_pays``).
+projections on oneDNN's blocked weights at every row count where the model packed them (``onednn_float32_pays``),
+or on the AVX2 kernel's panels (``sgemm_float32_pays``; every projection's output features a multiple of 16).
 ``TALLYSERVE_CPU_DECODE_LAYERS=0`` keeps the Python layers.
 """
 
@@ -64,8 +65,10 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
                  [layer.mlp.gate_up_weight for layer in model.layers],
                  [layer.mlp.down_proj.weight for layer in model.layers]]
         blocked = None
-        if all(getattr(w, "mkldnn_packed", None) is not None for i in (1, 2, 4, 5) for w in plain[i]):
-            blocked = [[getattr(w, "mkldnn_packed", w) for w in ws] for ws in plain]
+        for attr in ("mkldnn_packed", "sgemm_packed"):
+            if all(getattr(w, attr, None) is not None and (attr == "mkldnn_packed" or w.shape[0] % 16 == 0)
+                   for i in (1, 2, 4, 5) for w in plain[i]):
+                blocked = [[getattr(w, attr, w) for w in ws] for ws in plain]
         fit = (bf16, plain, blocked)
     model._cpu_weights = fit
     return fit
@@ -82,8 +85,9 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
         return None
     bf16, weights, blocked = fit
     rows = x.shape[0]
-    if not bf16:  # float32: oneDNN's blocked weights at every row count where the model packed them (3)
-        projections, weights = (0, weights) if blocked is None else (3, blocked)
+    if not bf16:  # float32: oneDNN's blocked weights (3) or the AVX2 kernel's panels (4) where the model packed them
+        projections, weights = (0, weights) if blocked is None else \
+            (4 if getattr(weights[1][0], "sgemm_packed", None) is not None else 3, blocked)
     elif rows <= layers.CPU_GEMV_MAX_ROWS:
         projections = 1
     else:  # the rows layers.linear multiplies with oneDNN on the blocked weights, the MLP whole

@@ -44,6 +44,7 @@ from tallyserve.models.layers import (
     apply_rotary,
     linear,
     pack_cpu_weight,
+    pack_sgemm_weight,
     vocab_shard,
 )
 from tallyserve.models.model_config import ModelConfig
@@ -395,10 +396,11 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.act_dtype = self.model.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def pack_cpu_weights(self) -> int:
+    def pack_cpu_weights(self, kernel: str = "onednn") -> int:
         """oneDNN's blocked copies of the projections' CPU weights (q/k/v, o, gate/up, down, lm_head), so their
         matmuls do not re-block them on every call (``layers.pack_cpu_weight``): the bfloat16 projections of
-        ``set_matmul_dtype``, and a float32 model's where oneDNN is the faster library. Returns how many were
+        ``set_matmul_dtype``, and a float32 model's where oneDNN is the faster library; ``kernel="sgemm"``: a
+        float32 model's on tallyserve's AVX2 kernel instead (``layers.pack_sgemm_weight``). Returns how many were
         packed."""
         used = [self.lm_head.weight]
         for layer in self.model.layers:
@@ -408,7 +410,10 @@ class LlamaForCausalLM(nn.Module):
             used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
                 [mlp.gate_proj.weight, mlp.up_proj.weight]
             used += [attn.o_proj.weight, mlp.down_proj.weight]
-        return sum(pack_cpu_weight(w) for w in used if w.device.type == "cpu" and w.is_contiguous())
+        if kernel not in ("onednn", "sgemm"):
+            raise ValueError(f"kernel must be 'onednn' or 'sgemm', got {kernel!r}")
+        pack = pack_cpu_weight if kernel == "onednn" else pack_sgemm_weight
+        return sum(pack(w) for w in used if w.device.type == "cpu" and w.is_contiguous())
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size). Under tensor parallelism

@@ -8,7 +8,8 @@ half second or more the governor reads how much CPU time the machine spent outsi
 (``/proc/stat`` against this process's own CPU time) and either uses the cores left over,
 ``clamp(floor(cores - others + 0.3), 1, max_threads)``, or, where that leaves too little, shares every core with the
 neighbours at twice the start count (``threads_for``): the count changes only after two windows agree (or one
-window of ``LONG_WINDOW_S``, as a long prompt step makes). On a
+window of ``LONG_WINDOW_S``, as a long prompt step makes). While sharing, steps of fewer than ``SHARED_MIN_TOKENS``
+tokens (decode) still run on the free cores: their operators are too short to share. On a
 2-core AMD EPYC, W in bfloat16 took 18.0 s quiet; beside a busy loop 33.7 s on one thread (the old rule), 44.1 s
 on two spinning threads and 28.0 s on four sharing threads (1.55x quiet).
 

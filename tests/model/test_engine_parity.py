@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tallyserve import LLM, SamplingParams
+from tallyserve.attention import cpu_kernels
 from tests.tiny_models import load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -131,21 +132,26 @@ def test_mixed_n_and_max_tokens(tiny, async_sched):
     _assert_ledger(llm)
 
 
-@pytest.mark.parametrize("onednn", ["0", "1"])
-def test_float32_products_on_either_cpu_library_keep_parity(tiny, monkeypatch, onednn):
-    """A float32 model on the CPU multiplies on ATen's matmul or on oneDNN's blocked weights, whichever the probe
-    finds faster (TALLYSERVE_CPU_ONEDNN_FP32 forces one): every projection is packed or none is, and both keep
-    greedy parity with transformers, through the Python layers (prompts) and the compiled decode layers."""
+@pytest.mark.parametrize("library", ["aten", "onednn", "sgemm"])
+def test_float32_products_on_either_cpu_library_keep_parity(tiny, monkeypatch, library):
+    """A float32 model on the CPU multiplies on ATen's matmul, on oneDNN's blocked weights or on tallyserve's AVX2
+    kernel, whichever fits the CPU (TALLYSERVE_CPU_ONEDNN_FP32 / TALLYSERVE_CPU_SGEMM force one): every projection
+    is packed for it or none is, and all keep greedy parity with transformers, through the Python layers (prompts)
+    and the compiled decode layers."""
     from tallyserve.models import layers
 
-    monkeypatch.setenv("TALLYSERVE_CPU_ONEDNN_FP32", onednn)
+    if library == "sgemm" and not (cpu_kernels.load() and torch.ops.tallyserve_cpu.sgemm_built()):
+        pytest.skip("the kernels were built without AVX2 + FMA")
+    monkeypatch.setenv("TALLYSERVE_CPU_ONEDNN_FP32", "1" if library == "onednn" else "0")
+    monkeypatch.setenv("TALLYSERVE_CPU_SGEMM", "1" if library == "sgemm" else "0")
     monkeypatch.setattr(layers, "_onednn_f32", [])
+    monkeypatch.setattr(layers, "_sgemm_f32", [])
     path, prompts, refs = tiny
     llm = LLM(model=path, num_gpu_blocks_override=64)
     model = llm.engine.executor.runner.model
     projections = [model.lm_head.weight] + [w for layer in model.model.layers for w in (
         layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
         layer.mlp.down_proj.weight)]
-    packed = [getattr(w, "mkldnn_packed", None) is not None for w in projections]
-    assert packed == [onednn == "1"] * len(projections)
+    for attr, lib in (("mkldnn_packed", "onednn"), ("sgemm_packed", "sgemm")):
+        assert [getattr(w, attr, None) is not None for w in projections] == [library == lib] * len(projections)
     _assert_parity(_run(llm, prompts), refs)

@@ -335,11 +335,11 @@ def test_kv_cache_write_rounds_like_torch_and_zeroes_non_finite_values(dim, dtyp
 
 
 @pytest.mark.parametrize("arch,matmul_dtype", [("llama", None), ("llama", torch.bfloat16), ("llama", "onednn"),
-                                                ("qwen3", None), ("qwen2", None)])
+                                                ("llama", "sgemm"), ("qwen3", None), ("qwen2", None)])
 def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypatch, arch, matmul_dtype):
     """A step whose requests all take the compiled attention kernel in place runs its decoder layers in one
-    compiled call (tallyserve_cpu::decode_layers, float32 projections on ATen's matmul or on oneDNN's blocked
-    weights ("onednn"), or bfloat16 projections): the same operators in the same
+    compiled call (tallyserve_cpu::decode_layers, float32 projections on ATen's matmul, on oneDNN's blocked
+    weights ("onednn") or on the AVX2 kernel's panels ("sgemm"), or bfloat16 projections): the same operators in the same
     order as the Python layers, so the outputs and the KV cache are
     bit-identical; models it does not cover (q/k norm, biases), long chunks and TALLYSERVE_CPU_DECODE_LAYERS=0
     keep the Python layers."""
@@ -347,9 +347,12 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     model = load_model(resolve_model(model_dir, "auto"), "auto", torch.float32, torch.device("cpu"), 0,
                        CpuSdpaBackend())
     assert model.enable_fused_kernels()
-    packed = matmul_dtype == "onednn"
-    if packed:  # a float32 model on oneDNN's blocked weights, as where it is the faster library
-        assert model.pack_cpu_weights() == 4 * 2 + 1  # q/k/v, o, gate/up, down of two layers, and lm_head
+    kernel = matmul_dtype if matmul_dtype in ("onednn", "sgemm") else None
+    packed = kernel is not None
+    if matmul_dtype == "sgemm" and not torch.ops.tallyserve_cpu.sgemm_built():
+        pytest.skip("the kernels were built without AVX2 + FMA")
+    if packed:  # a float32 model on oneDNN's blocked weights or the AVX2 kernel's panels, as where it is faster
+        assert model.pack_cpu_weights(kernel=matmul_dtype) == 4 * 2 + 1  # q/k/v, o, gate/up, down of two layers, lm_head
         matmul_dtype = None
     elif matmul_dtype is not None:
         if not hasattr(torch.ops.tallyserve_cpu, "gemv_bf16"):
@@ -385,6 +388,8 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
     assert not any(plain_used)
     if arch == "llama":  # the compiled call took the blocked weights wherever the model packed them
         assert (cpu_layers.layer_weights(inner)[2] is not None) == (matmul_dtype is not None or packed)
+        if kernel == "sgemm":  # the panels (num_panels, K, 16), not the plain weights
+            assert cpu_layers.layer_weights(inner)[2][1][0].dim() == 3
     # bfloat16: one to four rows through gemv_bf16, more through oneDNN on the blocked weights, as layers.linear
     assert fast_used == ([True, True, False, True, True, True] if arch == "llama" else [False] * 6)
     assert torch.equal(fast, plain)

@@ -20,8 +20,9 @@ using namespace tallyserve_cpu_ops;
 // paged attention, the output product, add + RMSNorm, gate/up, SiLU-and-multiply, down; then the final add +
 // RMSNorm. x: the float32 embeddings (T, H), updated in place as the residual stream. What this saves is the Python
 // around ~13 operators per layer (a one-sequence step of the bundled model spent ~4 ms of its ~25 there).
-// Four variants (projections): float32 projections through ATen's matmul (0) or oneDNN's on the blocked weights
-// (3, pack_cpu_weight); under dtype="bfloat16" (the norms and SiLU-and-multiply handing the projections bfloat16,
+// Five variants (projections): float32 projections through ATen's matmul (0), oneDNN's on the blocked weights
+// (3, pack_cpu_weight) or tallyserve's AVX2 kernel on the weights' panels (4, pack_sgemm_weight; every projection's
+// output features a multiple of 16); under dtype="bfloat16" (the norms and SiLU-and-multiply handing the projections bfloat16,
 // q/k/v back in float32) 1, one to four rows through gemv_bf16, and 2, more rows through oneDNN's matmul on the
 // blocked weights, as layers.linear picks them.
 using AttentionOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -88,8 +89,9 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                          int64_t projections) {
-  TORCH_CHECK(projections >= 0 && projections <= 3, "decode_layers: projections 0 (float32), 1 (bfloat16, one to "
-              "four rows), 2 (bfloat16, oneDNN's blocked weights) or 3 (float32, oneDNN's blocked weights)");
+  TORCH_CHECK(projections >= 0 && projections <= 4, "decode_layers: projections 0 (float32), 1 (bfloat16, one to "
+              "four rows), 2 (bfloat16, oneDNN's blocked weights), 3 (float32, oneDNN's blocked weights) or 4 "
+              "(float32, tallyserve's panels)");
   const LayerWeights w{in_norm, qkv_w, o_w, post_norm, gate_up_w, down_w};
   auto norm_bf16 = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
     return add_rms_norm_bf16(a, r, wt, eps);
@@ -116,8 +118,8 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
                 " rows");
     return run_bf16([](const at::Tensor& a, const at::Tensor& b) { return linear_packed(a, b); });
   }
-  // float32 projections: ATen's matmul on the plain weights (0), or oneDNN's on the blocked ones (3), as
-  // layers.linear makes them
+  // float32 projections: ATen's matmul on the plain weights (0), oneDNN's on the blocked ones (3) or the AVX2
+  // kernel on the panels (4), as layers.linear makes them
   auto run_f32 = [&](auto product) {
     auto norm = [eps](const at::Tensor& a, const c10::optional<at::Tensor>& r, const at::Tensor& wt) {
       return add_rms_norm(a, r, wt, eps);
@@ -133,6 +135,11 @@ at::Tensor decode_layers(at::Tensor x, at::TensorList in_norm, at::TensorList qk
   if (projections == 0) return run_f32([](const at::Tensor& a, const at::Tensor& b) { return at::linear(a, b); });
   if (projections == 3) {
     return run_f32([](const at::Tensor& a, const at::Tensor& b) { return linear_packed(a.contiguous(), b); });
+  }
+  if (projections == 4) {
+    return run_f32([](const at::Tensor& a, const at::Tensor& b) {
+      return linear_sgemm(a.contiguous(), b, b.size(0) * 16);
+    });
   }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   TORCH_CHECK(x.size(0) <= kGemvMaxRows, "decode_layers with bfloat16 projections: 1 to ", kGemvMaxRows, " rows");

@@ -19,6 +19,8 @@ int64_t write_kv_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor kv_
 at::Tensor add_rms_norm_bf16(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
                              double eps);
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
+// sgemm_avx2_cpu.cpp: x @ w^T on the weight's 16-feature panels (pack_sgemm_weight), n output features
+at::Tensor linear_sgemm(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w);
 #endif
