@@ -7,13 +7,14 @@
 // [seq_len - rows, seq_len); row at position p attends keys 0..p (causal). Returns (T, Hq, D).
 //
 // One work item is (request, a run of up to 16 query rows: 8 on the AVX2 paths), all heads (with fewer items than
-// threads, an item is split by KV head group). Items, largest first, are dealt round-robin to ATen's threads. At
-// head_dim 64 with vector paths (16 lanes of AVX-512, or 8 of AVX2 + FMA: attention_avx2_cpu.h), a one-row item
-// (decode) keeps its scores whole (softmax: max, exp, sum in float32, like the reference) and reads each K/V row
-// once for all query heads of its group (one_row_d64); a multi-row item (a chunk, speculative rows) runs
-// flash-style with its rows in the vector lanes (rows_d64); over a bfloat16 cache on a CPU with AMX, items of up
-// to 64 rows take attention_amx_cpu.cpp's tiles instead. Otherwise a generic loop: each position's K row (every KV
-// head, contiguous) read once for all query heads of the item, scores kept whole per row, then the weighted V rows
+// threads, an item is split by KV head group). Items, largest first, are taken by ATen's threads from a shared
+// counter, so a thread the OS deschedules holds up only its current item, not a fixed share. At head_dim 64 with
+// vector paths (16 lanes of AVX-512, or 8 of AVX2 + FMA: attention_avx2_cpu.h), a one-row item (decode) keeps its
+// scores whole (softmax: max, exp, sum in float32, like the reference) and reads each K/V row once for all query
+// heads of its group (one_row_d64); a multi-row item (a chunk, speculative rows) runs flash-style with its rows in
+// the vector lanes (rows_d64); over a bfloat16 cache on a CPU with AMX, items of up to 64 rows take
+// attention_amx_cpu.cpp's tiles instead. Otherwise a generic loop: each position's K row (every KV head,
+// contiguous) read once for all query heads of the item, scores kept whole per row, then the weighted V rows
 // summed. The widest path built is the default; set_vector_width picks a narrower one (tests run each).
 
 #include <ATen/ATen.h>
@@ -264,6 +265,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 
+  std::atomic<int64_t> next{0};  // the next item to take: threads take items as they finish, largest first
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> scores;
     tallyserve_amx::Scratch amx_scratch;
@@ -272,7 +274,7 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
     std::vector<float> kc, vc, qt, ot, stats;
     std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
     for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      for (int64_t it = lane; it < n_items; it += lanes) {
+      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
         const Item& w = items[it];
         const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
         const int32_t* blocks = bt + w.req * MB;
@@ -392,8 +394,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
       for (int64_t g = 0; g < Hkv; ++g) parts.push_back({w.req, w.row_lo, w.row_hi, w.cost / Hkv, g * G, (g + 1) * G});
     items.swap(parts);
   }
-  // Largest first, dealt round-robin to the threads: a static split of unequal requests left one
-  // thread idle while the other finished the long ones.
+  // Largest first, taken from a shared counter: a static split of unequal requests left one thread idle while the
+  // other finished the long ones.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   // Every row of every request is written by its items (the one-row path stores, the general path zeroes its

@@ -10,8 +10,8 @@
 // loads of the panel (the classic Haswell-era register block), four k per loop turn, over the whole of K, then
 // stored once (blocking K and adding partial tiles back into the output sent them through memory again).
 // Blocking: panels in groups of kGroupBytes (read from memory once per task, then from L2), rows in blocks of kMc
-// (their x rows stay in L1 / L2 across a group's panels). Work: tasks of kTaskRows rows over ATen's threads, the
-// panels split too when there are few rows (decode: each thread streams its share of the weight once per step).
+// (their x rows stay in L1 / L2 across a group's panels). Work: tasks of kTaskRows rows, the panels split too when
+// there are few rows (decode), taken by ATen's threads from a shared counter.
 // Sums run over k in order, one FMA at a time, so the results do not depend on the thread count or the blocking
 // of rows and panels (they may differ from the libraries' in the last bits).
 
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -35,6 +36,7 @@ constexpr int64_t kNr = 16;   // output features per panel
 constexpr int64_t kMr = 6;    // output rows per register tile
 constexpr int64_t kMc = 72;   // rows per block: a block's x rows stay in L1 / L2 across a group of panels
 constexpr int64_t kTaskRows = 512;  // rows per task when there are many (prompt chunks)
+constexpr int64_t kTasksPerThread = 4;  // at least this many tasks per thread where the panels allow
 constexpr int64_t kGroupBytes = 256 << 10;  // panels read together: half of a Zen 3 / Skylake core's L2
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -150,14 +152,18 @@ at::Tensor linear_sgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N
   const float* A = x.data_ptr<float>();
   const float* B = packed.data_ptr<float>();
   float* C = out.data_ptr<float>();
-  // tasks: rows in pieces of kTaskRows, and the panels split too where that leaves a thread without work (decode
-  // rows: each thread streams its share of the weight once)
-  const int64_t threads = at::get_num_threads();
+  // tasks: rows in pieces of kTaskRows, the panels split too until there are kTasksPerThread per thread (decode
+  // rows: each task streams its share of the weight once). Threads take tasks from a shared counter as they finish,
+  // so one the OS deschedules (a busy neighbour) holds up its current task only, not a fixed share of the product.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t row_tasks = (M + kTaskRows - 1) / kTaskRows;
-  const int64_t panel_tasks = row_tasks >= 2 * threads ? 1 : std::min(P, (2 * threads + row_tasks - 1) / row_tasks);
+  const int64_t want = kTasksPerThread * threads;
+  const int64_t panel_tasks = row_tasks >= want ? 1 : std::min(P, (want + row_tasks - 1) / row_tasks);
   const int64_t per_task = (P + panel_tasks - 1) / panel_tasks;
-  at::parallel_for(0, row_tasks * panel_tasks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
+  const int64_t tasks = row_tasks * panel_tasks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t rt = t / panel_tasks, pt = t % panel_tasks;
       const int64_t p0 = pt * per_task, p1 = std::min(P, p0 + per_task);
       if (p0 < p1) run_task(A, B, C, K, N, rt * kTaskRows, std::min(M, rt * kTaskRows + kTaskRows), p0, p1);
