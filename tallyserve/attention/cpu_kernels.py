@@ -23,11 +23,13 @@ _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
             Path(__file__).parent / "csrc" / "decode_layers_cpu.cpp",
             Path(__file__).parent / "csrc" / "attention_amx_cpu.cpp",
             Path(__file__).parent / "csrc" / "sampling_ops_cpu.cpp",
-            Path(__file__).parent / "csrc" / "sgemm_avx2_cpu.cpp"]
+            Path(__file__).parent / "csrc" / "sgemm_avx2_cpu.cpp",
+            Path(__file__).parent / "csrc" / "task_pool_cpu.cpp"]
 _HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h", Path(__file__).parent / "csrc" / "fused_ops_cpu.h",
             Path(__file__).parent / "csrc" / "attention_amx_cpu.h", Path(__file__).parent / "csrc" / "amx_tiles.h",
             Path(__file__).parent / "csrc" / "attention_vec_cpu.h",
-            Path(__file__).parent / "csrc" / "attention_avx2_cpu.h"]
+            Path(__file__).parent / "csrc" / "attention_avx2_cpu.h",
+            Path(__file__).parent / "csrc" / "task_pool_cpu.h"]
 _NAME = "tallyserve_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

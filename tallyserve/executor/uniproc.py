@@ -15,7 +15,7 @@ from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.models.loader import ResolvedModel, load_model
 from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks,
                                             resolve_kv_cache_dtype, warm_up_full_budget)
-from tallyserve.runner.cpu_threads import CpuThreadGovernor, keep_freed_memory
+from tallyserve.runner.cpu_threads import CpuThreadGovernor, cpu_task_pool, keep_freed_memory
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 
@@ -28,7 +28,8 @@ class UniProcExecutor(Executor):
         self.overlaps_host = runner.device.type == "cuda"
         self.kv_connector = kv_connector  # the worker half of disaggregated serving, if configured
         # on the CPU the forward's thread count follows the cores other processes leave free
-        self.cpu_threads = CpuThreadGovernor() if runner.device.type == "cpu" else None
+        self.cpu_threads = CpuThreadGovernor(task_pool=cpu_task_pool(runner.model)) \
+            if runner.device.type == "cpu" else None
         if runner.device.type == "cpu":
             keep_freed_memory()  # large activations reuse freed memory instead of faulting in new pages
         if kv_connector is not None:

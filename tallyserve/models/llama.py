@@ -413,7 +413,10 @@ class LlamaForCausalLM(nn.Module):
         if kernel not in ("onednn", "sgemm"):
             raise ValueError(f"kernel must be 'onednn' or 'sgemm', got {kernel!r}")
         pack = pack_cpu_weight if kernel == "onednn" else pack_sgemm_weight
-        return sum(pack(w) for w in used if w.device.type == "cpu" and w.is_contiguous())
+        packed = sum(pack(w) for w in used if w.device.type == "cpu" and w.is_contiguous())
+        if packed:
+            self.cpu_products = kernel  # whose kernel multiplies (the thread governor's task pool follows "sgemm")
+        return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size). Under tensor parallelism

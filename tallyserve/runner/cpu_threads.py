@@ -7,11 +7,18 @@ it ran a workload 3-7x slower with 2 threads, where 1 thread would have been abo
 half second or more the governor reads how much CPU time the machine spent outside this process
 (``/proc/stat`` against this process's own CPU time) and either uses the cores left over,
 ``clamp(floor(cores - others + 0.3), 1, max_threads)``, or, where that leaves too little, shares every core with the
-neighbours at twice the start count (``threads_for``): the count changes only after two windows agree (or one
+neighbours at four times the start count (``threads_for``): the count changes only after two windows agree (or one
 window of ``LONG_WINDOW_S``, as a long prompt step makes). While sharing, steps of fewer than ``SHARED_MIN_TOKENS``
 tokens (decode) still run on the free cores: their operators are too short to share. On a
-2-core AMD EPYC, W in bfloat16 took 18.0 s quiet; beside a busy loop 33.7 s on one thread (the old rule), 44.1 s
-on two spinning threads and 28.0 s on four sharing threads (1.55x quiet).
+2-core AMD EPYC (Zen 4), W in bfloat16 took 18.0 s quiet; beside a busy loop 33.7 s on one thread (the old rule),
+44.1 s on two spinning threads and 28.0 s on four sharing threads (1.55x quiet).
+
+Where the forward's heavy operators are tallyserve's compiled kernels (float32 on the AVX2 product,
+``cpu_task_pool``), sharing runs them on the kernels' task pool instead (``task_pool_cpu.h``), ATen on one thread:
+a pool call ends when its tasks are done, not when every thread has come through, so a descheduled thread costs
+the task it holds, not a scheduler slice per operator, and decode steps share too. Beside a busy loop on a 2-core
+Zen 3, W's 64-row decode steps took 338 ms on the pool (2 to 4 threads) against 375 ms on one free core and 546 ms
+on two OpenMP threads (quiet: 189 ms).
 
 ``TALLYSERVE_CPU_THREADS``: ``auto`` (the default) adapts as above; a number pins it.
 
@@ -130,9 +137,16 @@ def release_openmp_workers() -> bool:
 
 
 # Sharing the cores: threads per thread at start, and the work a shared thread does against a quiet one (W with 4
-# threads on 2 quiet cores took 1.08x its 2-thread time; the spare 2% covers the scheduler's switches).
-SHARE_THREADS_FACTOR = 2
+# threads on 2 quiet cores took 1.08x its 2-thread time; the spare 2% covers the scheduler's switches). Four per
+# thread: the kernel's fair scheduler gives 8 threads 8/9 of 2 cores beside one busy loop, and the products and
+# attention items are taken from a shared counter, so a descheduled thread holds up one task, not a fixed share.
+# Beside a busy loop on a 2-core Zen 3, W's prompts took 36.1 / 32.1 s on 8 threads against 48.3 / 36.5 s on 4
+# (quiet: 28.9 / 24.3 s).
+SHARE_THREADS_FACTOR = 4
 SHARED_EFFICIENCY = 0.9
+# While sharing, a neighbour's measured share shrinks with our thread count (one busy loop beside 8 threads: about
+# 2/9 of 2 cores), so sharing stops only when the others' load falls below this (they left).
+SHARED_STAY_OTHERS = 0.1
 
 
 # Steps of fewer tokens than this run on the free cores even while the governor shares them all: a decode step's
@@ -154,16 +168,29 @@ def threads_for(cores: int, others: float, max_threads: int) -> int:
     ``max_threads``), or sharing every core with them: ``SHARE_THREADS_FACTOR * max_threads`` threads, which the
     kernel's fair scheduler gives ``n / (n + k)`` of the cores against ``k`` busy threads of theirs (GNU OpenMP stops
     spin-waiting once its threads outnumber the cores, so a descheduled worker holds nobody at a barrier).
-    Sharing is taken when its estimate (times ``SHARED_EFFICIENCY``) beats the free cores by a quarter core: one
-    busy loop on a 2-core machine leaves one free core, and sharing with 4 threads gives about 1.44. With many
-    cores and few neighbours (16 cores, 3 busy) the free cores win and nothing is oversubscribed."""
+    Sharing is taken when its estimate (times ``SHARED_EFFICIENCY``) beats the free cores by a quarter core or a tenth
+    of the cores, whichever is more: one busy loop on a 2-core machine leaves one free core, and sharing with 8
+    threads gives about 1.6. With many cores and few neighbours (16 cores, 3 busy) the free cores win and nothing is
+    oversubscribed."""
     free = free_threads(cores, others, max_threads)
     if free >= max_threads or others < 0.3:
         return free
     n = SHARE_THREADS_FACTOR * max_threads
     their_threads = max(1, math.ceil(others - 0.3))
     shared = min(n, cores * n / (n + their_threads)) * SHARED_EFFICIENCY
-    return n if shared > free + 0.25 else free
+    return n if shared > free + max(0.25, 0.1 * cores) else free
+
+
+def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
+    """The compiled kernels' task-pool setter (``tallyserve_cpu::set_task_pool_threads``) where ``model``'s
+    projections run on tallyserve's AVX2 product (``pack_cpu_weights(kernel="sgemm")``), so the forward's heavy
+    operators (products, attention, norms) are the kernels' own; None otherwise, or with
+    ``TALLYSERVE_CPU_TASK_POOL=0``."""
+    if getattr(model, "cpu_products", None) != "sgemm" or os.environ.get("TALLYSERVE_CPU_TASK_POOL", "1") == "0":
+        return None
+    from tallyserve.attention import cpu_kernels
+
+    return torch.ops.tallyserve_cpu.set_task_pool_threads if cpu_kernels.load() else None
 
 
 class CpuThreadGovernor:
@@ -171,7 +198,11 @@ class CpuThreadGovernor:
                  busy_seconds: Callable[[], Optional[float]] = read_machine_busy_seconds,
                  own_seconds: Callable[[], float] = time.process_time,
                  clock: Callable[[], float] = time.monotonic,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 task_pool: Optional[Callable[[int], None]] = None) -> None:
+        """``task_pool``: sets the compiled kernels' task pool to n threads (0: off), given when the forward's heavy
+        operators run on them (``cpu_task_pool``); while sharing the cores, the forward then runs on the pool and
+        ATen on one thread, at every step size."""
         setting = os.environ.get("TALLYSERVE_CPU_THREADS", "auto").strip().lower()
         self._start_threads = torch.get_num_threads()  # restored by close(): the count is process-wide
         self.max_threads = max_threads or torch.get_num_threads()
@@ -185,7 +216,8 @@ class CpuThreadGovernor:
                 raise ValueError(f"TALLYSERVE_CPU_THREADS must be at least 1, got {pinned}")
             set_threads(pinned)
             self.max_threads = pinned
-        self._busy, self._own, self._clock, self._set = busy_seconds, own_seconds, clock, set_threads
+        self._busy, self._own, self._clock, self._set_aten = busy_seconds, own_seconds, clock, set_threads
+        self._pool = task_pool if self.enabled else None
         try:
             self.cores = len(os.sched_getaffinity(0))
         except AttributeError:
@@ -209,7 +241,8 @@ class CpuThreadGovernor:
             return self.threads
         self._decide()
         want = self.decision
-        if want > self.max_threads and num_tokens is not None and num_tokens < SHARED_MIN_TOKENS:
+        if want > self.max_threads and self._pool is None and num_tokens is not None and \
+                num_tokens < SHARED_MIN_TOKENS:
             want = self.free
         if want != self.threads:
             self._set(want)
@@ -227,6 +260,8 @@ class CpuThreadGovernor:
         others = max(0.0, (cur[1] - self._mark[1]) - (cur[2] - self._mark[2])) / wall
         self._mark = cur
         want = threads_for(self.cores, others, self.max_threads)
+        if self.decision > self.max_threads and others >= SHARED_STAY_OTHERS:
+            want = self.decision  # still sharing with them (see SHARED_STAY_OTHERS)
         if want == self.decision:
             self._pending = None
         elif self._pending == want or wall >= LONG_WINDOW_S:  # two windows in a row agree, or one long one
@@ -237,8 +272,21 @@ class CpuThreadGovernor:
         else:
             self._pending = want
 
+    def _set(self, n: int) -> None:
+        """Run the forward on n threads: ATen's, or above the start count with a task pool, the pool's (ATen on one)."""
+        if self._pool is None:
+            self._set_aten(n)
+        elif n > self.max_threads:
+            self._set_aten(1)
+            self._pool(n)
+        else:
+            self._pool(0)
+            self._set_aten(n)
+
     def close(self) -> None:
         """Give the process back the thread count it had before this governor (an engine shutting down)."""
         if self.threads != self._start_threads:
             self._set(self._start_threads)
             self.threads = self._start_threads
+        if self._pool is not None:
+            self._pool(0)

@@ -24,22 +24,25 @@ class FakeMachine:
         self.own += ours * seconds
         self.busy += (ours + others) * seconds
 
-    def governor(self, monkeypatch, cores=2, max_threads=2, setting="auto"):
+    def governor(self, monkeypatch, cores=2, max_threads=2, setting="auto", pool=False):
         monkeypatch.setenv("TALLYSERVE_CPU_THREADS", setting)
         monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
+        self.pool_calls = []
         return CpuThreadGovernor(max_threads, busy_seconds=lambda: self.busy, own_seconds=lambda: self.own,
-                                 clock=lambda: self.t, set_threads=self.set_calls.append)
+                                 clock=lambda: self.t, set_threads=self.set_calls.append,
+                                 task_pool=self.pool_calls.append if pool else None)
 
 
 def test_rule():
     assert threads_for(2, 0.0, 2) == 2
     assert threads_for(2, 0.2, 2) == 2  # light background work keeps both
-    # one busy loop: one free core, or 4 threads sharing both cores (4/5 of 2 cores, 1.44 after the margin)
-    assert threads_for(2, 0.67, 2) == 4  # a busy loop time-sharing with 2 threads
-    assert threads_for(2, 1.0, 2) == 4
-    assert threads_for(2, 0.4, 2) == 4  # the same loop seen from 4 sharing threads (it gets 1/5 of 2 cores): stay
-    assert threads_for(2, 5.0, 2) == 1  # five busy loops: sharing would give 4/9 of 2 cores; never below one
-    assert threads_for(16, 3.0, 16) == 13  # many cores: the free ones beat sharing (13 against 14.6 x 0.9)
+    # one busy loop: one free core, or 8 threads sharing both cores (8/9 of 2 cores, 1.6 after the efficiency)
+    assert threads_for(2, 0.67, 2) == 8  # a busy loop time-sharing with 2 threads
+    assert threads_for(2, 1.0, 2) == 8
+    assert threads_for(2, 0.4, 2) == 8
+    assert threads_for(2, 5.0, 2) == 1  # five busy loops: sharing would give 8/13 of 2 cores; never below one
+    assert threads_for(16, 3.0, 16) == 13  # many cores: the free ones beat sharing (13 against 15.3 x 0.9 - 1.6)
+    assert threads_for(4, 1.0, 4) == 3  # 3 free cores against 16/17 of 4 (3.39 x 0.9): not worth oversubscribing
     assert threads_for(16, 0.0, 8) == 8  # quiet: never above the start count
     assert threads_for(1, 1.0, 1) == 1  # one core: nothing to share out
 
@@ -52,14 +55,15 @@ def test_a_busy_neighbour_makes_the_threads_share_the_cores_and_its_exit_brings_
     m.run(0.6, ours=1.33, others=0.67)  # first window that sees the neighbour: not yet
     assert g.step() == 2 and m.set_calls == []
     m.run(0.6, ours=1.33, others=0.67)
-    assert g.step() == 4 and m.set_calls == [4]  # four threads share both cores with it
-    m.run(0.6, ours=1.6, others=0.4)  # sharing, the neighbour gets 1/5 of the cores: stays at four
-    assert g.step() == 4
+    assert g.step() == 8 and m.set_calls == [8]  # eight threads share both cores with it
+    for _ in range(3):  # sharing, the neighbour gets 2/9 of the cores (alone, this would read as quiet): stays
+        m.run(0.6, ours=1.78, others=0.22)
+        assert g.step() == 8
     m.run(0.6, ours=2.0, others=0.0)
     m.run(0.1, ours=2.0, others=0.0)  # steps inside a window do not decide anything
-    assert g.step() == 4
+    assert g.step() == 8
     m.run(0.6, ours=2.0, others=0.0)
-    assert g.step() == 2 and m.set_calls == [4, 2] and g.changes == 2
+    assert g.step() == 2 and m.set_calls == [8, 2] and g.changes == 2
 
 
 def test_small_steps_run_on_the_free_cores_while_the_big_ones_share_them(monkeypatch):
@@ -72,13 +76,54 @@ def test_small_steps_run_on_the_free_cores_while_the_big_ones_share_them(monkeyp
     for _ in range(2):
         m.run(0.6, ours=1.33, others=0.67)
         g.step(big)
-    assert g.decision == 4 and g.free == 1 and m.set_calls == [4]
-    assert [g.step(n) for n in (small, small, big, None, 1, big)] == [1, 1, 4, 4, 1, 4]
-    assert m.set_calls == [4, 1, 4, 1, 4]  # a change only where the count differs from the last step's
+    assert g.decision == 8 and g.free == 1 and m.set_calls == [8]
+    assert [g.step(n) for n in (small, small, big, None, 1, big)] == [1, 1, 8, 8, 1, 8]
+    assert m.set_calls == [8, 1, 8, 1, 8]  # a change only where the count differs from the last step's
     for _ in range(2):  # the neighbour leaves: every step back on the start count
         m.run(0.6, ours=2.0, others=0.0)
         g.step(big)
     assert g.decision == 2 and [g.step(small), g.step(big)] == [2, 2]
+
+
+def test_with_a_task_pool_every_step_shares_on_the_pool_and_aten_runs_on_one_thread(monkeypatch):
+    """Where the forward's heavy operators are the compiled kernels' (the AVX2 product), sharing runs them on the
+    task pool, whose calls end when their tasks are done: decode steps share too, and ATen keeps one thread."""
+    m = FakeMachine()
+    monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 2)
+    g = m.governor(monkeypatch, pool=True)
+    small = cpu_threads.SHARED_MIN_TOKENS - 1
+    assert g.step(small) == 2 and m.set_calls == [] and m.pool_calls == []  # quiet: ATen's threads, no pool
+    for _ in range(2):
+        m.run(0.6, ours=1.33, others=0.67)
+        g.step(small)
+    assert g.threads == 8 and m.set_calls == [1] and m.pool_calls == [8]
+    assert [g.step(n) for n in (small, 1, None, 4096)] == [8, 8, 8, 8]  # no switching by step size
+    assert m.set_calls == [1] and m.pool_calls == [8]
+    for _ in range(2):  # the neighbour leaves: the pool off, ATen back on the start count
+        m.run(0.6, ours=2.0, others=0.0)
+        g.step(small)
+    assert g.threads == 2 and m.set_calls == [1, 2] and m.pool_calls == [8, 0]
+    for _ in range(2):
+        m.run(0.6, ours=1.33, others=0.67)
+        g.step()
+    g.close()  # shut down while sharing: the pool off and the process's count back
+    assert m.pool_calls[-2:] == [0, 0] and m.set_calls[-1] == 2 and g.threads == 2
+    pinned = FakeMachine().governor(monkeypatch, setting="2", pool=True)
+    assert pinned._pool is None  # a pinned count never turns the pool on
+
+
+def test_the_task_pool_follows_the_product_kernel(monkeypatch):
+    class Model:
+        pass
+
+    model = Model()
+    assert cpu_threads.cpu_task_pool(model) is None
+    model.cpu_products = "onednn"  # oneDNN's matmuls run on ATen's OpenMP threads
+    assert cpu_threads.cpu_task_pool(model) is None
+    model.cpu_products = "sgemm"
+    assert cpu_threads.cpu_task_pool(model) is not None
+    monkeypatch.setenv("TALLYSERVE_CPU_TASK_POOL", "0")
+    assert cpu_threads.cpu_task_pool(model) is None
 
 
 def test_close_gives_the_process_its_thread_count_back(monkeypatch):
@@ -89,11 +134,11 @@ def test_close_gives_the_process_its_thread_count_back(monkeypatch):
     for _ in range(2):
         m.run(0.6, ours=1.33, others=0.67)
         g.step()
-    assert g.threads == 4
+    assert g.threads == 8
     g.close()
-    assert m.set_calls == [4, 2] and g.threads == 2
+    assert m.set_calls == [8, 2] and g.threads == 2
     g.close()  # twice: nothing more to restore
-    assert m.set_calls == [4, 2]
+    assert m.set_calls == [8, 2]
     pinned = FakeMachine().governor(monkeypatch, setting="1")
     pinned.close()
     assert pinned.threads == 2
@@ -110,7 +155,7 @@ def test_one_long_window_decides_on_its_own(monkeypatch):
     m.run(0.6, ours=2.0, others=0.0)
     assert g.step() == 2
     m.run(2.5, ours=1.33, others=0.67)
-    assert g.step() == 4 and m.set_calls == [4]
+    assert g.step() == 8 and m.set_calls == [8]
 
 
 def test_a_single_noisy_window_changes_nothing(monkeypatch):

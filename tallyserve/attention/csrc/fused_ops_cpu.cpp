@@ -33,6 +33,7 @@
 
 #include "cpu_math.h"
 #include "fused_ops_cpu.h"
+#include "task_pool_cpu.h"
 
 #define TS_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -70,7 +71,7 @@ TS_NO_CONTRACT at::Tensor add_rms_norm(const at::Tensor& x, const c10::optional<
   const float* X = x.data_ptr<float>();
   const float* W = weight.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* src = X + t * N;
       if (R) {
@@ -113,7 +114,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   float* X = x.data_ptr<float>();
   const float* C = cos.data_ptr<float>();
   const float* S = sin.data_ptr<float>();
-  at::parallel_for(0, T * H, std::max<int64_t>(1, 8192 / D), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T * H, std::max<int64_t>(1, 8192 / D), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = i / H, h = i % H;
       rotate_row(X + t * st + h * sh, C + t * sc, S + t * sc, half);
@@ -135,7 +136,7 @@ TS_NO_CONTRACT void qk_norm_rotary_(at::Tensor qk, const at::Tensor& q_weight, c
   const float* KW = k_weight.contiguous().data_ptr<float>();
   const float* C = cos.data_ptr<float>();
   const float* S = sin.data_ptr<float>();
-  at::parallel_for(0, T * H, std::max<int64_t>(1, 8192 / D), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T * H, std::max<int64_t>(1, 8192 / D), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = i / H, h = i % H;
       float* x = X + t * st + h * sh;
@@ -169,7 +170,7 @@ inline float load_f(const uint16_t* p, int64_t i) { return from_bf16(p[i]); }
 template <typename In>
 TS_NO_CONTRACT void add_rms_norm_bf16_rows(const In* X, float* R, const float* W, uint16_t* O, int64_t T, int64_t N,
                                            double eps) {
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
     std::vector<float> row(static_cast<size_t>(N));
     for (int64_t t = b; t < e; ++t) {
       const In* src = X + t * N;
@@ -242,7 +243,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({T, N}, gate_up.options());
   const uint16_t* G = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
   uint16_t* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) silu_mul_row_bf16(G + t * 2 * N, O + t * N, N);
   });
   return out;
@@ -287,7 +288,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
   uint16_t* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // blocks of 4 output rows; about 64 KiB of weights per task
   const int64_t blocks = (N + 3) / 4, grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
     const int64_t lo = b * 4, hi = std::min(N, e * 4);
     switch (M) {
       case 1: gemv_rows<1>(X, W, O, N, K, lo, hi); break;
@@ -328,7 +329,7 @@ int64_t write_rows(const at::Tensor& k, const at::Tensor& v, KvT* Kc, const int6
   const float* V = v.data_ptr<float>();
   const int64_t T = k.size(0);
   std::atomic<int64_t> nonfinite{0};
-  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(H * D, 1)), [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(H * D, 1)), [&](int64_t b, int64_t e) {
     int64_t bad = 0;
     for (int64_t t = b; t < e; ++t) {
       if (slot[t] < 0) continue;

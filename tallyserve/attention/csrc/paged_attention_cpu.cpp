@@ -33,6 +33,7 @@
 #include "attention_avx2_cpu.h"
 #include "attention_vec_cpu.h"
 #include "cpu_math.h"
+#include "task_pool_cpu.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -44,6 +45,8 @@ constexpr int64_t kRowsPerItem = 16;
 constexpr int64_t kKeysPerPiece = 256;  // rows_d64: keys per piece of float32 scratch
 
 using namespace tallyserve_attention_vec;
+using tallyserve_cpu_ops::run_tasks;
+using tallyserve_cpu_ops::task_threads;
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kHaveAvx2Kernel = true;
@@ -263,84 +266,79 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
   const float sc = static_cast<float>(scale);
   const int64_t row_stride = Hkv * D;  // values from one position to the next: all KV heads side by side
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-
-  std::atomic<int64_t> next{0};  // the next item to take: threads take items as they finish, largest first
-  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
-    std::vector<float> scores;
-    tallyserve_amx::Scratch amx_scratch;
+  // Items are taken from a shared counter as threads finish, largest first (run_tasks); each thread's scratch is
+  // its own and kept from call to call.
+  run_tasks(n_items, [&](int64_t it) {
+    thread_local std::vector<float> scores;
+    thread_local tallyserve_amx::Scratch amx_scratch;
     // rows_d64's scratch, sized on first use (a decode-only call never needs it): a piece of float32 keys and
     // values, per query head of a group q transposed, the output, the running max and sum
-    std::vector<float> kc, vc, qt, ot, stats;
-    std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
-    for (int64_t lane = lane_begin; lane < lane_end; ++lane) {
-      for (int64_t it = next.fetch_add(1); it < n_items; it = next.fetch_add(1)) {
-        const Item& w = items[it];
-        const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
-        const int32_t* blocks = bt + w.req * MB;
-        const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
-        const int64_t nrow = w.row_hi - w.row_lo;
-        const float* q0 = Q + (qsl[w.req] + w.row_lo) * q_row;
-        float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
-        row_off.resize(static_cast<size_t>(nkeys));
-        for (int64_t b = 0, j = 0; j < nkeys; ++b) {
-          const int64_t base = static_cast<int64_t>(blocks[b]) * BS * row_stride;
-          for (int64_t r = 0; r < BS && j < nkeys; ++r, ++j) row_off[j] = base + r * row_stride;
-        }
-        if (width && D == 64 && G <= 4 && nrow == 1) {
-          if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
-          if (width == 16)
-            one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
-          else
-            avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data());
-          continue;
-        }
-        if constexpr (std::is_same<KvT, uint16_t>::value) {
-          if (width == 16 && D == 64 && amx) {
-            tallyserve_amx::rows_bf16(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo,
-                                      w.head_lo, w.head_hi, G, sc, amx_scratch);
-            continue;
-          }
-        }
-        if (width == 8 && D == 64) {
-          if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
-          if (qt.size() < static_cast<size_t>(G * 512)) qt.resize(G * 512), ot.resize(G * 512), stats.resize(G * 16);
-          avx2_rows(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
-                    sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
-          continue;
-        }
-        if (width == 16 && D == 64) {
-          if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
-          if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
-          rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
-                   sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
-          continue;
-        }
-        scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
-        // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
-        // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
-        for (int64_t j = 0; j < nkeys; ++j) {
-          const KvT* kr = K + row_off[j];
-          for (int64_t i = 0; i < nrow; ++i) {
-            if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
-              scores[(i * Hq + h) * nkeys + j] = dot(q0 + i * q_row + h * D, kr + (h / G) * D, D) * sc;
-          }
-        }
-        for (int64_t i = 0; i < nrow; ++i) {
-          const int64_t n = len - rows + w.row_lo + i + 1;
-          for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
-        }
-        for (int64_t i = 0; i < nrow; ++i)  // the output is not zero-filled: this item's part, before summing
-          std::memset(o0 + (i * Hq + w.head_lo) * D, 0, sizeof(float) * (w.head_hi - w.head_lo) * D);
-        for (int64_t j = 0; j < nkeys; ++j) {
-          const KvT* vr = V + row_off[j];
-          for (int64_t i = 0; i < nrow; ++i) {
-            if (j > len - rows + w.row_lo + i) continue;
-            for (int64_t h = w.head_lo; h < w.head_hi; ++h)
-              axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
-          }
-        }
+    thread_local std::vector<float> kc, vc, qt, ot, stats;
+    thread_local std::vector<int64_t> row_off;  // each key's row offset in the cache (no division per key in the loops)
+    const Item& w = items[it];
+    const int64_t len = sl[w.req], rows = qsl[w.req + 1] - qsl[w.req];
+    const int32_t* blocks = bt + w.req * MB;
+    const int64_t nkeys = len - rows + w.row_hi;  // keys the last row of this item sees
+    const int64_t nrow = w.row_hi - w.row_lo;
+    const float* q0 = Q + (qsl[w.req] + w.row_lo) * q_row;
+    float* o0 = O + (qsl[w.req] + w.row_lo) * Hq * D;
+    row_off.resize(static_cast<size_t>(nkeys));
+    for (int64_t b = 0, j = 0; j < nkeys; ++b) {
+      const int64_t base = static_cast<int64_t>(blocks[b]) * BS * row_stride;
+      for (int64_t r = 0; r < BS && j < nkeys; ++r, ++j) row_off[j] = base + r * row_stride;
+    }
+    if (width && D == 64 && G <= 4 && nrow == 1) {
+      if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
+      if (width == 16)
+        one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
+      else
+        avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data());
+      return;
+    }
+    if constexpr (std::is_same<KvT, uint16_t>::value) {
+      if (width == 16 && D == 64 && amx) {
+        tallyserve_amx::rows_bf16(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo,
+                                  w.head_lo, w.head_hi, G, sc, amx_scratch);
+        return;
+      }
+    }
+    if (width == 8 && D == 64) {
+      if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
+      if (qt.size() < static_cast<size_t>(G * 512)) qt.resize(G * 512), ot.resize(G * 512), stats.resize(G * 16);
+      avx2_rows(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
+                sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+      return;
+    }
+    if (width == 16 && D == 64) {
+      if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
+      if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
+      rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
+               sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+      return;
+    }
+    scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
+    // scores[(i * Hq + h) * nkeys + j] = q_i,h . k_j * scale: one pass over the keys, every head of
+    // every row of the item reading the key's row (all KV heads, contiguous) while it is in cache
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const KvT* kr = K + row_off[j];
+      for (int64_t i = 0; i < nrow; ++i) {
+        if (j > len - rows + w.row_lo + i) continue;
+        for (int64_t h = w.head_lo; h < w.head_hi; ++h)
+          scores[(i * Hq + h) * nkeys + j] = dot(q0 + i * q_row + h * D, kr + (h / G) * D, D) * sc;
+      }
+    }
+    for (int64_t i = 0; i < nrow; ++i) {
+      const int64_t n = len - rows + w.row_lo + i + 1;
+      for (int64_t h = w.head_lo; h < w.head_hi; ++h) softmax_inplace(scores.data() + (i * Hq + h) * nkeys, n);
+    }
+    for (int64_t i = 0; i < nrow; ++i)  // the output is not zero-filled: this item's part, before summing
+      std::memset(o0 + (i * Hq + w.head_lo) * D, 0, sizeof(float) * (w.head_hi - w.head_lo) * D);
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const KvT* vr = V + row_off[j];
+      for (int64_t i = 0; i < nrow; ++i) {
+        if (j > len - rows + w.row_lo + i) continue;
+        for (int64_t h = w.head_lo; h < w.head_hi; ++h)
+          axpy(o0 + (i * Hq + h) * D, vr + (h / G) * D, scores[(i * Hq + h) * nkeys + j], D);
       }
     }
   });
@@ -388,7 +386,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   }
   // Fewer items than threads (one or two sequences decoding): split each item by KV head group, so every
   // thread has work; each part still reads a key row's heads of its group while the row is in cache.
-  if (Hkv > 1 && static_cast<int64_t>(items.size()) < at::get_num_threads()) {
+  if (Hkv > 1 && static_cast<int64_t>(items.size()) < task_threads()) {
     std::vector<Item> parts;
     for (const Item& w : items)
       for (int64_t g = 0; g < Hkv; ++g) parts.push_back({w.req, w.row_lo, w.row_hi, w.cost / Hkv, g * G, (g + 1) * G});

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "fused_ops_cpu.h"
+#include "task_pool_cpu.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -75,7 +76,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* X = x.data_ptr<float>();
   int64_t* O = out.data_ptr<int64_t>();
   // a row of 49,152 logits is ~12 us: rows in pieces of at least four per thread
-  at::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
+  tallyserve_cpu_ops::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) O[r] = argmax_row(X + r * N, N);
   });
   return out;
@@ -95,7 +96,7 @@ void mask_logits_rows_(at::Tensor logits, const at::Tensor& words, const at::Ten
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float* L = logits.data_ptr<float>();
   const int32_t* W = words.data_ptr<int32_t>();
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+  tallyserve_cpu_ops::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       float* out = L + row[k] * logits.stride(0);
       const int32_t* w = W + k * words.stride(0);

@@ -25,6 +25,7 @@
 #include <cstring>
 
 #include "fused_ops_cpu.h"
+#include "task_pool_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -154,20 +155,16 @@ at::Tensor linear_sgemm(const at::Tensor& x, const at::Tensor& packed, int64_t N
   float* C = out.data_ptr<float>();
   // tasks: rows in pieces of kTaskRows, the panels split too until there are kTasksPerThread per thread (decode
   // rows: each task streams its share of the weight once). Threads take tasks from a shared counter as they finish,
-  // so one the OS deschedules (a busy neighbour) holds up its current task only, not a fixed share of the product.
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // so one the OS deschedules (a busy neighbour) holds up its current task only (run_tasks, task_pool_cpu.h).
+  const int64_t threads = task_threads();
   const int64_t row_tasks = (M + kTaskRows - 1) / kTaskRows;
   const int64_t want = kTasksPerThread * threads;
   const int64_t panel_tasks = row_tasks >= want ? 1 : std::min(P, (want + row_tasks - 1) / row_tasks);
   const int64_t per_task = (P + panel_tasks - 1) / panel_tasks;
-  const int64_t tasks = row_tasks * panel_tasks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
-      const int64_t rt = t / panel_tasks, pt = t % panel_tasks;
-      const int64_t p0 = pt * per_task, p1 = std::min(P, p0 + per_task);
-      if (p0 < p1) run_task(A, B, C, K, N, rt * kTaskRows, std::min(M, rt * kTaskRows + kTaskRows), p0, p1);
-    }
+  run_tasks(row_tasks * panel_tasks, [&](int64_t t) {
+    const int64_t rt = t / panel_tasks, pt = t % panel_tasks;
+    const int64_t p0 = pt * per_task, p1 = std::min(P, p0 + per_task);
+    if (p0 < p1) run_task(A, B, C, K, N, rt * kTaskRows, std::min(M, rt * kTaskRows + kTaskRows), p0, p1);
   });
   return out;
 }
