@@ -24,12 +24,12 @@ import torch
 from tallyserve.attention import cpu_kernels
 from tallyserve.attention.backend import check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
-from tallyserve.models import layers
+from tallyserve.models import cpu_products, layers
 
 
 def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     """(bfloat16 projections?, the per-layer weights the operator takes, the same with the projections' blocked
-    copies from ``layers.pack_cpu_weight`` where every projection has one, else None) when ``model`` (a
+    copies from ``cpu_products.pack_cpu_weight`` where every projection has one, else None) when ``model`` (a
     LlamaModel) fits it: fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor
     parallelism), the compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once
     per model."""
@@ -88,7 +88,7 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     if not bf16:  # float32: oneDNN's blocked weights (3) or the AVX2 kernel's panels (4) where the model packed them
         projections, weights = (0, weights) if blocked is None else \
             (4 if getattr(weights[1][0], "sgemm_packed", None) is not None else 3, blocked)
-    elif rows <= layers.CPU_GEMV_MAX_ROWS:
+    elif rows <= cpu_products.CPU_GEMV_MAX_ROWS:
         projections = 1
     else:  # the rows layers.linear multiplies with oneDNN on the blocked weights, the MLP whole
         projections, weights = 2, blocked

@@ -24,10 +24,7 @@ AVX512-BF16 on CPUs that have them) and hands float32 back to the norms, RoPE, a
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,8 +34,7 @@ from torch import nn
 
 from tallyserve.distributed import parallel_state
 from tallyserve.models import gemv
-
-logger = logging.getLogger(__name__)
+from tallyserve.models.cpu_products import CPU_GEMV_MAX_ROWS, cpu_gemv_serves
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -52,16 +48,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
         out = gemv.gemv(x, weight, out_dtype)
         return out if bias is None else out.add_(bias)
-    panels = getattr(weight, "sgemm_packed", None)  # set by pack_sgemm_weight: float32 on the AVX2 kernel
+    panels = getattr(weight, "sgemm_packed", None)  # cpu_products.pack_sgemm_weight: float32 on the AVX2 kernel
     if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
         out = torch.ops.tallyserve_cpu.linear_sgemm(x.contiguous(), panels, weight.shape[0]).to(out_dtype)
         return out if bias is None else out.add_(bias)
-    packed = getattr(weight, "mkldnn_packed", None)  # set by pack_cpu_weight: the CPU's blocked projections
+    packed = getattr(weight, "mkldnn_packed", None)  # cpu_products.pack_cpu_weight: the CPU's blocked projections
     if packed is not None and x.dim() == 2 and (x.shape[0] > CPU_GEMV_MAX_ROWS or weight.dtype == torch.float32):
         out = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype).contiguous(), packed, None, "none", [], "")
         out = out.to(out_dtype)
         return out if bias is None else out.add_(bias)
-    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= CPU_GEMV_MAX_ROWS and _cpu_gemv(weight):
+    if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= CPU_GEMV_MAX_ROWS and \
+            cpu_gemv_serves(weight):
         # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
         out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
         return out if bias is None else out.add_(bias)
@@ -71,118 +68,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return out if bias is None else out.add_(bias)
 
 
-def pack_cpu_weight(weight: torch.Tensor, rows_hint: int = 64) -> bool:
-    """Attach oneDNN's blocked copy of a bfloat16 or float32 CPU weight (``weight.mkldnn_packed``), which
-    ``linear`` then multiplies: bfloat16 from five rows on (the plain weight stays for one to four rows,
-    ``gemv_bf16``), float32 at every row count (``onednn_float32_pays`` decides whether a float32 model packs).
-    The plain layout was re-blocked on every call (64 decode rows of the bundled model's bf16 MLP: 0.49 -> 0.28 ms;
-    lm_head 8.3 -> 3.8 ms), with bit-identical results. False where this PyTorch build has no such operators."""
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        probe = torch.zeros(CPU_GEMV_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype)
-        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    weight.mkldnn_packed = packed
-    return True
-
-
-def pack_sgemm_weight(weight: torch.Tensor) -> bool:
-    """Attach the panels of tallyserve's AVX2 float32 kernel to a float32 CPU weight (``weight.sgemm_packed``, the
-    weight's rows 16 at a time, interleaved per input feature), which ``linear`` then multiplies at every row count
-    (``sgemm_float32_pays`` decides whether a float32 model packs). False where the kernels lack it."""
-    from tallyserve.attention import cpu_kernels
-
-    if weight.dtype != torch.float32 or weight.dim() != 2 or not cpu_kernels.load() or \
-            not torch.ops.tallyserve_cpu.sgemm_built():
-        return False
-    weight.sgemm_packed = torch.ops.tallyserve_cpu.pack_sgemm_weight(weight)
-    return True
-
-
-_onednn_f32: list[bool] = []
-_sgemm_f32: list[bool] = []
-
-
-def sgemm_float32_pays() -> bool:
-    """Whether a float32 model on the CPU multiplies on tallyserve's AVX2 kernel (``pack_sgemm_weight``) rather than
-    on oneDNN's blocked weights or ATen's matmul: ``TALLYSERVE_CPU_SGEMM`` 1 / 0 forces it; by default it does on
-    CPUs whose best vector unit is AVX2 (``torch.backends.cpu.get_cpu_capability()``), where the libraries' float32
-    kernels are 8 lanes wide too: on a 2-core AMD EPYC (Zen 3) the kernel ran the bundled model's products, their
-    weights coming from memory as in a step, 1.1-1.35x faster than oneDNN (prompt chunks at 92% of the FMA peak).
-    With AVX-512 the libraries' 16-lane kernels are the faster ones. (A timing probe at start was tried: on a busy
-    2-core machine its answer changed from one process to the next.)"""
-    if _sgemm_f32:
-        return _sgemm_f32[0]
-    forced = os.environ.get("TALLYSERVE_CPU_SGEMM", "auto").strip().lower()
-    want = forced == "1" if forced in ("0", "1") else torch.backends.cpu.get_cpu_capability() == "AVX2"
-    verdict = want and pack_sgemm_weight(torch.zeros(16, 16))
-    _sgemm_f32.append(verdict)
-    return verdict
-
-
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def onednn_float32_pays() -> bool:
-    """Whether a float32 model on the CPU multiplies on oneDNN's blocked weights (``pack_cpu_weight``) rather than
-    ATen's matmul: ``TALLYSERVE_CPU_ONEDNN_FP32`` 1 / 0 forces it; by default a probe, once per process, times both
-    on 4 and 64 rows of a 1,024 x 1,024 weight and packs when oneDNN is at least 10% faster on both. Which library
-    is faster depends on the CPU: on a 2-core AMD EPYC (Zen 4) oneDNN ran the bundled model's products 1.2-4x
-    faster at 1-256 rows (lm_head, 64 rows: 37 -> 20 ms), where ATen's matmul took its slower code path."""
-    if _onednn_f32:
-        return _onednn_f32[0]
-    forced = os.environ.get("TALLYSERVE_CPU_ONEDNN_FP32", "auto").strip().lower()
-    if forced in ("0", "1"):
-        verdict = forced == "1"
-    else:
-        verdict = _probe_onednn_float32()
-    _onednn_f32.append(verdict)
-    return verdict
-
-
-def _probe_onednn_float32(size: int = 1024, repeats: int = 5) -> bool:
-    weight = torch.randn(size, size)
-    if not pack_cpu_weight(weight):
-        return False
-    packed = weight.mkldnn_packed
-    faster = []
-    for rows in (4, 64):
-        x = torch.randn(rows, size)
-        aten = _best_time(lambda: F.linear(x, weight), repeats)
-        onednn = _best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
-        faster.append(onednn * 1.1 <= aten)
-        logger.debug("float32 product probe, %d rows: ATen %.3f ms, oneDNN %.3f ms", rows, aten * 1e3, onednn * 1e3)
-    return all(faster)
-
-
-CPU_GEMV_MAX_ROWS = 4
 # GatedMLP on the CPU: rows per piece of a long chunk, float32 and bfloat16 weights. oneDNN's bfloat16 kernels
 # change at 2,048 rows: the down projection (1,536 -> 576) ran 1.0 TFLOP/s at 1,024 rows and 2.1 at 2,048, so
 # the bundled model's MLP over 4,096 rows took 18.9 ms in pieces of 1,024 and 13.8 in pieces of 2,048. Float32
 # is faster in pieces of 1,024 (8,192 rows: 163-173 ms against 206-225).
 CPU_MLP_CHUNK_ROWS = 1024
 CPU_MLP_CHUNK_ROWS_BF16 = 2048
-_gemv_ok: list[bool] = []
-
-
-def _cpu_gemv(weight: torch.Tensor) -> bool:
-    """Whether ``tallyserve_cpu::gemv_bf16`` serves this weight (a contiguous CPU tensor; the kernels built
-    with AVX512-BF16)."""
-    if weight.device.type != "cpu" or not weight.is_contiguous():
-        return False
-    if not _gemv_ok:
-        from tallyserve.attention import cpu_kernels
-
-        _gemv_ok.append(bool(cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "gemv_bf16")))
-    return _gemv_ok[0]
 
 
 class RMSNorm(nn.Module):

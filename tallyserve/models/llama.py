@@ -32,6 +32,7 @@ from tallyserve.attention.backend import AttentionBackend, check_attention_input
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.distributed import parallel_state
 from tallyserve.models import cpu_layers, fused_ops
+from tallyserve.models.cpu_products import pack_cpu_weight, pack_sgemm_weight
 from tallyserve.models.layers import (
     ColumnParallelLinear,
     GatedMLP,
@@ -43,8 +44,6 @@ from tallyserve.models.layers import (
     VocabParallelEmbedding,
     apply_rotary,
     linear,
-    pack_cpu_weight,
-    pack_sgemm_weight,
     vocab_shard,
 )
 from tallyserve.models.model_config import ModelConfig
@@ -398,9 +397,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def pack_cpu_weights(self, kernel: str = "onednn") -> int:
         """oneDNN's blocked copies of the projections' CPU weights (q/k/v, o, gate/up, down, lm_head), so their
-        matmuls do not re-block them on every call (``layers.pack_cpu_weight``): the bfloat16 projections of
+        matmuls do not re-block them on every call (``cpu_products.pack_cpu_weight``): the bfloat16 projections of
         ``set_matmul_dtype``, and a float32 model's where oneDNN is the faster library; ``kernel="sgemm"``: a
-        float32 model's on tallyserve's AVX2 kernel instead (``layers.pack_sgemm_weight``). Returns how many were
+        float32 model's on tallyserve's AVX2 kernel instead (``cpu_products.pack_sgemm_weight``). Returns how many were
         packed."""
         used = [self.lm_head.weight]
         for layer in self.model.layers:

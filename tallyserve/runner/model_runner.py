@@ -13,7 +13,7 @@ from torch import nn
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, default_max_num_batched_tokens
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
-from tallyserve.models.layers import onednn_float32_pays, sgemm_float32_pays
+from tallyserve.models.cpu_products import onednn_float32_pays, sgemm_float32_pays
 from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
@@ -79,8 +79,8 @@ def resolve_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype:
 def apply_matmul_dtype(model, name: str, device: torch.device) -> None:
     """``model.set_matmul_dtype`` when ``resolve_matmul_dtype`` asks for one (after ``enable_fused_kernels``); a
     float32 model on the CPU gets the fastest product instead: tallyserve's AVX2 kernel where it beats both
-    libraries (``layers.sgemm_float32_pays``), else oneDNN's blocked weights where they multiply faster than ATen's
-    matmul (``layers.onednn_float32_pays``)."""
+    libraries (``cpu_products.sgemm_float32_pays``), else oneDNN's blocked weights where they multiply faster than ATen's
+    matmul (``cpu_products.onednn_float32_pays``)."""
     matmul_dtype = resolve_matmul_dtype(name, device)
     if matmul_dtype is None:
         if device.type == "cpu" and resolve_dtype(name, device) == torch.float32 and hasattr(model, "pack_cpu_weights"):

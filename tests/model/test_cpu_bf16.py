@@ -159,7 +159,7 @@ def test_biased_mlp_logprobs_match_reference(tmp_path, monkeypatch):
 def test_packed_weights_multiply_as_the_plain_ones():
     """pack_cpu_weight attaches oneDNN's blocked copy; linear() takes it from five rows on, the plain weight
     below (gemv_bf16), with the same products as F.linear on the plain bfloat16 weight."""
-    from tallyserve.models.layers import pack_cpu_weight
+    from tallyserve.models.cpu_products import pack_cpu_weight
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)

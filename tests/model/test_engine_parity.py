@@ -138,14 +138,14 @@ def test_float32_products_on_either_cpu_library_keep_parity(tiny, monkeypatch, l
     kernel, whichever fits the CPU (TALLYSERVE_CPU_ONEDNN_FP32 / TALLYSERVE_CPU_SGEMM force one): every projection
     is packed for it or none is, and all keep greedy parity with transformers, through the Python layers (prompts)
     and the compiled decode layers."""
-    from tallyserve.models import layers
+    from tallyserve.models import cpu_products
 
     if library == "sgemm" and not (cpu_kernels.load() and torch.ops.tallyserve_cpu.sgemm_built()):
         pytest.skip("the kernels were built without AVX2 + FMA")
     monkeypatch.setenv("TALLYSERVE_CPU_ONEDNN_FP32", "1" if library == "onednn" else "0")
     monkeypatch.setenv("TALLYSERVE_CPU_SGEMM", "1" if library == "sgemm" else "0")
-    monkeypatch.setattr(layers, "_onednn_f32", [])
-    monkeypatch.setattr(layers, "_sgemm_f32", [])
+    monkeypatch.setattr(cpu_products, "_onednn_f32", [])
+    monkeypatch.setattr(cpu_products, "_sgemm_f32", [])
     path, prompts, refs = tiny
     llm = LLM(model=path, num_gpu_blocks_override=64)
     model = llm.engine.executor.runner.model

@@ -433,12 +433,12 @@ def test_greedy_argmax_vocabulary_rows():
 def test_float32_linear_on_blocked_weights_equals_aten(rows, n, k, seed):
     """layers.linear on a float32 weight packed for oneDNN (pack_cpu_weight) multiplies at every row count, one
     included, and equals ATen's product to float32 rounding (only the order of the sums differs)."""
-    from tallyserve.models import layers
+    from tallyserve.models import cpu_products, layers
 
     g = torch.Generator().manual_seed(seed)
     weight, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
     want = F.linear(x, weight)
-    assert layers.pack_cpu_weight(weight)
+    assert cpu_products.pack_cpu_weight(weight)
     got = layers.linear(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)

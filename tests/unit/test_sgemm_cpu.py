@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tallyserve.attention import cpu_kernels
-from tallyserve.models import layers
+from tallyserve.models import cpu_products, layers
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels.load() and torch.ops.tallyserve_cpu.sgemm_built()),
                                 reason="the kernels were built without AVX2 + FMA")
@@ -49,11 +49,11 @@ def test_wide_products_and_the_model_shapes():
 def test_linear_takes_the_panels_and_keeps_biases_and_dtypes():
     w, b = torch.randn(40, 24), torch.randn(40)
     x = torch.randn(9, 24)
-    assert layers.pack_sgemm_weight(w)
+    assert cpu_products.pack_sgemm_weight(w)
     got = layers.linear(x, w, b)
     assert torch.allclose(got, x @ w.T + b, atol=1e-5)
     assert layers.linear(x, w, out_dtype=torch.float64).dtype == torch.float64
-    assert not layers.pack_sgemm_weight(torch.randn(4, 4, dtype=torch.bfloat16))  # float32 weights only
+    assert not cpu_products.pack_sgemm_weight(torch.randn(4, 4, dtype=torch.bfloat16))  # float32 weights only
 
 
 @pytest.mark.parametrize("x,n,message", [
