@@ -172,6 +172,29 @@ def test_one_or_two_decoding_sequences(hq, hkv, reqs):
         torch.set_num_threads(prev)
 
 
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4)])
+def test_a_decode_row_is_the_same_alone_or_in_a_batch(path, hq, hkv):
+    """A decoding sequence's row comes out bit for bit the same whether it runs alone (its work split by KV head
+    group over the threads) or among other requests (all its heads in one item), over a context long enough to
+    cross the kernel's pieces of copied keys (64) with a tail past a multiple of 8 keys."""
+    if not path.startswith("kernel"):
+        pytest.skip("the kernel's own work split")
+    reqs = [(200, 1), (37, 1), (0, 9), (90, 1), (5, 1)]
+    q, k, v, cache, meta, _, _ = make_case(reqs, hq, hkv, 64, 16, seed=hq + hkv)
+    cache.nan_to_num_(0.0)
+    op, lens = torch.ops.tallyserve_cpu.paged_attention, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
+    qsl = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = op(q.contiguous(), cache, tables, qsl, lens, 0.125)
+        alone = op(q[:1].contiguous(), cache, tables[:1].contiguous(), qsl[:2], lens[:1], 0.125)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(alone[0], batch[0])
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32), (4, 4, 64)])
 def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq, hkv, d):
     """q sliced out of the fused q/k/v output (strided rows) gives the same output as a contiguous copy, for

@@ -229,11 +229,12 @@ std::atomic<int64_t> g_width{kWidestPath};
 
 #if defined(__AVX2__) && defined(__FMA__)
 static_assert(tallyserve_avx2::kKeysPerPiece <= kKeysPerPiece, "attend_items sizes the AVX2 path's scratch");
+constexpr int64_t kAvx2RowPiece = tallyserve_avx2::kRowPiece;
 
 template <typename KvT>
 void avx2_one_row(const float* q, float* o, const KvT* K, const KvT* V, const int64_t* row_off, int64_t nkeys,
-                  int64_t h_lo, int64_t h_hi, int64_t G, float sc, float* scores) {
-  tallyserve_avx2::one_row_d64(q, o, K, V, row_off, nkeys, h_lo, h_hi, G, sc, scores);
+                  int64_t h_lo, int64_t h_hi, int64_t G, float sc, float* scores, KvT* buf) {
+  tallyserve_avx2::one_row_d64(q, o, K, V, row_off, nkeys, h_lo, h_hi, G, sc, scores, buf);
 }
 template <typename KvT>
 void avx2_rows(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT* K, const KvT* V,
@@ -242,9 +243,10 @@ void avx2_rows(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT
   tallyserve_avx2::rows_d64(q, q_row, o, o_row, K, V, row_off, nrow, first, h_lo, h_hi, G, sc, kc, vc, qt, ot, stats);
 }
 #else
+constexpr int64_t kAvx2RowPiece = 0;
 template <typename KvT>
 void avx2_one_row(const float*, float*, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                  float, float*) {}
+                  float, float*, KvT*) {}
 template <typename KvT>
 void avx2_rows(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, const int64_t*, int64_t, int64_t,
                int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*) {}
@@ -291,8 +293,11 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
       if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
       if (width == 16)
         one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
-      else
-        avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data());
+      else {
+        thread_local std::vector<KvT> rows_buf;  // one_row_d64's piece of K or V rows
+        rows_buf.resize(static_cast<size_t>(kAvx2RowPiece * Hkv * D));
+        avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data(), rows_buf.data());
+      }
       return;
     }
     if constexpr (std::is_same<KvT, uint16_t>::value) {
