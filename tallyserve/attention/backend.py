@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 
 PADDING_SLOT = -1
 
@@ -87,6 +87,13 @@ class AttentionBackend(ABC):
         """``forward`` without its KV write: the caller has written this step's k/v at
         ``meta.slot_mapping`` already. Only where ``supports_external_kv_write``."""
         raise NotImplementedError(f"the {self.name} backend writes its own KV rows; call forward")
+
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, out: OutputRows) -> torch.Tensor:
+        """``forward``'s KV write for every row, and the attention output of ``out.rows`` only (S, Hq, D): a
+        model's last layer, where only the sampled rows go on. This default attends every row and picks;
+        backends that can attend just those rows override it."""
+        return self.forward(q, k, v, kv_cache, meta, scale)[out.rows]
 
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tallyserve.attention import cpu_kernels
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
-from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 from tallyserve.attention.torch_ref import write_kv_cache
 
 # Upper bound on float32 score elements of one SDPA call's masked path (2**26 * 4 B = 256 MiB).
@@ -291,3 +291,18 @@ class CpuSdpaBackend(AttentionBackend):
         if _use_kernel(q, kv_cache):
             return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
         return paged_attention_cpu(q, kv_cache, meta, scale)
+
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, out: OutputRows) -> torch.Tensor:
+        """Every row's K/V into the cache, then only ``out.rows`` attend, read from the cache (each a decode-like
+        row over its request's keys)."""
+        check_attention_inputs(q, k, v, kv_cache, meta)
+        if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
+            torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0),
+                           torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), kv_cache, meta.slot_mapping)
+        q = q[out.rows]
+        if _use_kernel(q, kv_cache):
+            return paged_attention_kernel(q, None, None, kv_cache, out.meta, scale)
+        return paged_attention_cpu(q, kv_cache, out.meta, scale)

@@ -51,6 +51,48 @@ class AttentionMetadata:
         return self.query_start_loc_cpu[-1] if self.query_start_loc_cpu else 0
 
 
+@dataclass(frozen=True)
+class OutputRows:
+    """The rows of a step whose final hidden states anything reads (the sampled rows), for a model that can leave
+    the others out of its last layer: their K/V still go into the cache there, but they skip its attention, output
+    projection and MLP. ``rows``: (S,) int64 indices of the rows among the step's, request by request;
+    ``meta``: the metadata of attending exactly those rows over the same keys (``output_rows_metadata``)."""
+
+    rows: torch.Tensor
+    meta: AttentionMetadata
+
+
+def output_rows_metadata(meta: AttentionMetadata, keep: list[int]) -> OutputRows:
+    """Of each request i, its last ``keep[i]`` query rows (none where 0): their indices among the step's rows and
+    the metadata of attending them alone over the same keys, K/V rows already in the cache (requests that keep no
+    row are left out)."""
+    qsl = meta.query_start_loc_cpu
+    if len(keep) != meta.num_reqs:
+        raise ValueError(f"one count per request: {len(keep)} for {meta.num_reqs} requests")
+    for i, k in enumerate(keep):
+        if not 0 <= k <= qsl[i + 1] - qsl[i]:
+            raise ValueError(f"request {i} keeps {k} of its {qsl[i + 1] - qsl[i]} query rows")
+    reqs = [i for i, k in enumerate(keep) if k]
+    rows = [row for i in reqs for row in range(qsl[i + 1] - keep[i], qsl[i + 1])]
+    cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+    np.cumsum([keep[i] for i in reqs], out=cu[1:])
+    device = meta.seq_lens.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    reqs_t = torch.tensor(reqs, dtype=torch.int64, device=device)
+    seq_lens = tuple(meta.seq_lens_cpu[i] for i in reqs)
+    return OutputRows(rows_t, AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows_t],
+        query_start_loc=torch.tensor(cu, dtype=meta.query_start_loc.dtype, device=device),
+        seq_lens=meta.seq_lens[reqs_t],
+        block_tables=meta.block_tables[reqs_t],
+        query_start_loc_cpu=tuple(int(x) for x in cu),
+        seq_lens_cpu=seq_lens,
+        block_size=meta.block_size,
+        max_query_len=max((keep[i] for i in reqs), default=0),
+        max_seq_len=max(seq_lens, default=0),
+    ))
+
+
 def common_prefix_len(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
     """KV tokens at the start of every request's context that all requests read from the same
     blocks: whole blocks, leaving each request at least one key past them (its own suffix)."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs, get_kv_cache_shape
-from tallyserve.attention.metadata import AttentionMetadata
+from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 from tallyserve.distributed import parallel_state
 from tallyserve.models import cpu_layers, fused_ops
 from tallyserve.models.cpu_products import pack_cpu_weight, pack_sgemm_weight
@@ -162,11 +162,13 @@ class LlamaAttention(nn.Module):
             start += rows
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata,
+        out_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
+        """The attention output of every row, or with ``out_rows`` of those rows only (every row's K/V is written)."""
         num_tokens = x.shape[0]
         if self.qkv_weight is not None:
-            return self._forward_fused(x, rope, kv_cache, meta)
+            return self._forward_fused(x, rope, kv_cache, meta, out_rows)
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -174,10 +176,13 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if out_rows is not None:
+            out = self.attn_backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows)
+            return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
-    def _forward_fused(self, x, rope, kv_cache, meta) -> torch.Tensor:
+    def _forward_fused(self, x, rope, kv_cache, meta, out_rows: Optional[OutputRows] = None) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, out_dtype=self.act_dtype)
         cos, sin = rope
@@ -191,14 +196,17 @@ class LlamaAttention(nn.Module):
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             fused_ops.rotary_write_kv_(qkv.view(t, hq + 2 * hkv, d), hq, hkv, cos, sin, kv_cache, meta.slot_mapping,
                                        *norm)
-            out = backend.forward_cached(q, kv_cache, meta, self.scale)
+            out = (backend.forward_cached(q, kv_cache, meta, self.scale) if out_rows is None else
+                   backend.forward_cached(q[out_rows.rows], kv_cache, out_rows.meta, self.scale))
         else:
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
             if self.qk_norm:
                 fused_ops.qk_norm_rotary_(qk, self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, cos, sin)
             else:
                 fused_ops.rotary_(qk, cos, sin)
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+            out = (backend.forward(q, k, v, kv_cache, meta, self.scale) if out_rows is None else
+                   backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows))
+        t = out.shape[0]
         o = self.o_proj
         if self.act_dtype is not None and o.tp_size == 1 and o.bias is None:
             # dtype="bfloat16" on the CPU: the product stays in bfloat16 (its exact value) and the next fused
@@ -218,9 +226,12 @@ class LlamaDecoderLayer(nn.Module):
                             tp_size=tp.tp_size, tp_rank=tp.tp_rank)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata,
+        out_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        """Every row's output, or with ``out_rows`` those rows' only (the last layer of a step)."""
+        h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, out_rows)
+        x = (x if out_rows is None else x[out_rows.rows]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -243,29 +254,38 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        out_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
+        """Final-norm hidden states of every row, or with ``out_rows`` of those rows only: the last layer leaves
+        the other rows out after writing their K/V."""
         # positions of a step are below its longest sequence (padding rows of a graph sit at 0)
         rope = self.rotary_emb(positions, max(attn_meta.max_seq_len - 1, 0))
         x = self.embed_tokens(input_ids)
         if self.fused:
-            return self._forward_fused(x, rope, kv_caches, attn_meta)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, attn_meta)
+            return self._forward_fused(x, rope, kv_caches, attn_meta, out_rows)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope, kv_cache, attn_meta, out_rows if i == last else None)
         return self.norm(x)
 
-    def _forward_fused(self, x, rope, kv_caches, attn_meta) -> torch.Tensor:
+    def _forward_fused(self, x, rope, kv_caches, attn_meta, out_rows: Optional[OutputRows] = None) -> torch.Tensor:
         """The same computation with the residual stream threaded through fused add + RMSNorm."""
         fast = cpu_layers.decode_layers(self, x, rope, kv_caches, attn_meta)  # CPU: the layers in one compiled call
         if fast is not None:
-            return fast
+            return fast if out_rows is None else fast[out_rows.rows]
         residual, mm = x, self.matmul_dtype
+        last = len(self.layers) - 1
         h = fused_ops.add_rms_norm(x, None, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps,
                                    out_dtype=mm)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if i:
                 norm = layer.input_layernorm
                 h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps, out_dtype=mm)
-            h = layer.self_attn(h, rope, kv_cache, attn_meta)
+            if i == last and out_rows is not None:  # only the sampled rows go on past the attention
+                h = layer.self_attn(h, rope, kv_cache, attn_meta, out_rows)
+                residual = residual[out_rows.rows]
+            else:
+                h = layer.self_attn(h, rope, kv_cache, attn_meta)
             norm = layer.post_attention_layernorm
             h = fused_ops.add_rms_norm(h, residual, norm.weight, norm.eps, out_dtype=mm)
             h = layer.mlp(h)
@@ -275,6 +295,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache; rank ``tp_rank`` of
     ``tp_size`` under tensor parallelism (the defaults: the whole model in one process)."""
+
+    supports_output_rows = True  # forward(..., out_rows): the last layer for the sampled rows only
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_size: int = 1,
                  tp_rank: int = 0) -> None:
@@ -334,8 +356,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        out_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) int64. Returns final-norm hidden states (T, hidden_size)."""
+        """input_ids, positions: (T,) int64. Returns final-norm hidden states (T, hidden_size), or with
+        ``out_rows`` those of its rows only (S, hidden_size)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be (T,); got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
@@ -346,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.tp.tp_size > 1:
             self._check_tp_group()
-        return self.model(input_ids, positions, kv_caches, attn_meta)
+        return self.model(input_ids, positions, kv_caches, attn_meta, out_rows)
 
     def _check_tp_group(self) -> None:
         size, rank = parallel_state.tp_size(), parallel_state.tp_rank()

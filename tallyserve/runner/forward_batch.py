@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from tallyserve.attention.metadata import AttentionMetadata, cascade_prefix_len
+from tallyserve.attention.metadata import AttentionMetadata, OutputRows, cascade_prefix_len, output_rows_metadata
 from tallyserve.core.sched_output import SchedulerOutput
 
 
@@ -103,17 +103,23 @@ class ForwardBatch:
     # a decode step packed for a CUDA graph's bucket (``graph_input_arrays``): the layout's device bytes,
     # which input_ids / positions / the metadata's tensors are views of (fills included)
     graph_inputs: Optional[torch.Tensor] = None
+    # the sampled rows, for a model that leaves the other rows out of its last layer (``build(output_rows=True)``
+    # on a step whose other rows nothing reads: some rows sampled, not all, no prompt logprobs); the model then
+    # returns the hidden states of exactly logits_indices' rows, in their order
+    output_rows: Optional[OutputRows] = None
 
     @classmethod
     def build(cls, output: SchedulerOutput, block_size: int, device: torch.device,
               placeholder_src: Optional[Mapping[str, int]] = None, cascade: bool = False,
-              graph_layout: Optional[Callable[[int, int], Optional[tuple[int, int]]]] = None) -> "ForwardBatch":
+              graph_layout: Optional[Callable[[int, int], Optional[tuple[int, int]]]] = None,
+              output_rows: bool = False) -> "ForwardBatch":
         """``placeholder_src``: request id -> row of the in-flight step's sampled-token tensor,
         needed when an async-scheduled step feeds on tokens that step has not returned yet.
         ``cascade``: the attention backend can attend a prefix shared by every request once per
         step (decode-only steps of enough requests then carry ``common_prefix_len``).
         ``graph_layout(num_reqs, table_width)``: (bucket, width) when a CUDA graph would replay this
-        decode step from packed inputs (``graph_input_arrays``), else None."""
+        decode step from packed inputs (``graph_input_arrays``), else None.
+        ``output_rows``: the model can leave the rows nobody samples out of its last layer (see the field)."""
         reqs = output.requests
         num_reqs = len(reqs)
         query_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=num_reqs)
@@ -170,6 +176,9 @@ class ForwardBatch:
             common_prefix_len=prefix_len,
             prefix_kv_lens=prefix_t[0] if prefix_t else None,
         )
+        out = None
+        if output_rows and 0 < len(sample_rows) < num_tokens and not any(r.prompt_logprob_targets for r in reqs):
+            out = output_rows_metadata(meta, [r.num_sample_rows if r.sample else 0 for r in reqs])
         return cls(
             input_ids=ids_t,
             positions=positions_t,
@@ -182,4 +191,5 @@ class ForwardBatch:
             fill_src=fill_src_t if fill_rows.size else None,
             logits_all_rows=len(sample_rows) == num_tokens > 0,
             graph_inputs=graph_inputs,
+            output_rows=out,
         )

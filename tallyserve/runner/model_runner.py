@@ -253,6 +253,10 @@ class ModelRunner:
         # cascade attention over a prefix all decode rows share (backends that have it; not disable_cascade_attn)
         self.use_cascade_attn = use_cascade_attn and getattr(getattr(model, "attn_backend", None),
                                                              "supports_cascade", False)
+        # CPU: steps where only some rows are sampled run the model's last layer for those rows alone, once every
+        # row's K/V is written (ForwardBatch.output_rows); TALLYSERVE_OUTPUT_ROWS=0 runs it for every row
+        self.output_rows = (device.type == "cpu" and getattr(model, "supports_output_rows", False)
+                            and os.environ.get("TALLYSERVE_OUTPUT_ROWS", "1") != "0")
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
@@ -302,6 +306,8 @@ class ModelRunner:
             batch.input_ids[batch.fill_rows] = prev_token_ids[batch.fill_src]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
+        if batch.output_rows is not None:  # the last layer only for the sampled rows: hidden is theirs
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta, batch.output_rows), None
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_meta), None
 
     @torch.inference_mode()
@@ -310,7 +316,7 @@ class ModelRunner:
         """Float32 logits of the sampled rows; ``all_logits``: every row's, already computed."""
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        if batch.logits_all_rows:  # a decode-only step: no gather
+        if batch.logits_all_rows or batch.output_rows is not None:  # every row of hidden is sampled: no gather
             return all_logits if all_logits is not None else self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
@@ -321,7 +327,8 @@ class ModelRunner:
             self._generators.pop(rid, None)
         return ForwardBatch.build(so, self.block_size, self.device, prev.token_index if prev is not None else None,
                                   cascade=self.use_cascade_attn,
-                                  graph_layout=self.graph_runner.layout if self.graph_runner is not None else None)
+                                  graph_layout=self.graph_runner.layout if self.graph_runner is not None else None,
+                                  output_rows=self.output_rows)
 
     def launch(self, so: SchedulerOutput, batch: ForwardBatch, prev: Optional[AsyncModelRunnerOutput] = None,
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> AsyncModelRunnerOutput:

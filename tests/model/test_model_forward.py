@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* and tallyserve
 from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model  # noqa: E402
 
+from tallyserve.attention.metadata import output_rows_metadata  # noqa: E402
 from tallyserve.models.loader import load_model, resolve_model  # noqa: E402
 
 ATOL = 1e-4
@@ -102,6 +103,34 @@ def test_mixed_batch_matches_hf(pair):
     run({"a": 10, "b": 6, "c": 1}, num_padding=3)  # two prefills of different lengths + a decode row
     run({"b": 9, "a": 1, "c": 1})  # b finishes its prompt in a second chunk, two decodes
     run({"a": 1})  # a decodes alone
+
+
+def test_output_rows_leave_the_other_rows_out_of_the_last_layer(pair):
+    """forward(..., out_rows): the hidden states of the sampled rows only (a prompt's last row, a decode row with
+    two drafts after it, a decode row), matching transformers and the full forward's rows; every row's K/V is in
+    the cache all the same (the caches equal the full forward's bit for bit)."""
+    ours, hf_logits = pair
+    seqs = {"a": _tokens(4, 12), "b": _tokens(5, 15), "c": _tokens(6, 9)}
+    refs = {r: hf_logits(s) for r, s in seqs.items()}
+    full, pruned = PagedKV(ours, seed=5), PagedKV(ours, seed=5)
+    for kv in (full, pruned):
+        kv.step([("c", seqs["c"][:6]), ("b", seqs["b"][:4])])
+    batch = [("a", seqs["a"][:10]), ("b", seqs["b"][4:7]), ("c", seqs["c"][6:7])]
+    keep = [1, 3, 1]
+    with torch.no_grad():
+        ids, positions, meta = full.build(batch, num_padding=2)
+        every = ours(ids, positions, full.kv_caches, meta)
+        ids, positions, meta = pruned.build(batch, num_padding=2)
+        out = output_rows_metadata(meta, keep)
+        some = ours(ids, positions, pruned.kv_caches, meta, out)
+    assert out.rows.tolist() == [9, 10, 11, 12, 13] and some.shape == (5, every.shape[1])
+    torch.testing.assert_close(some, every[out.rows], atol=1e-5, rtol=0)
+    logits = ours.compute_logits(some)
+    torch.testing.assert_close(logits[0], refs["a"][9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1:4], refs["b"][4:7], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[4], refs["c"][6], atol=ATOL, rtol=0)
+    for a, b in zip(full.kv_caches, pruned.kv_caches):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 def test_padding_rows_leave_cache_untouched(tmp_path):
