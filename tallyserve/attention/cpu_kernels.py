@@ -29,6 +29,7 @@ _HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h", Path(__file__).parent
             Path(__file__).parent / "csrc" / "attention_amx_cpu.h", Path(__file__).parent / "csrc" / "amx_tiles.h",
             Path(__file__).parent / "csrc" / "attention_vec_cpu.h",
             Path(__file__).parent / "csrc" / "attention_avx2_cpu.h",
+            Path(__file__).parent / "csrc" / "attention_avx512_cpu.h",
             Path(__file__).parent / "csrc" / "task_pool_cpu.h"]
 _NAME = "tallyserve_cpu_kernels"
 _lock = threading.Lock()

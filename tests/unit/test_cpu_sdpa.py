@@ -143,6 +143,12 @@ def test_long_chunks_over_a_cached_prefix(hq, hkv, reqs):
     check(reqs, hq, hkv, 64, block_size=16, seed=hq + len(reqs), num_padding=1)
 
 
+def test_rows_past_the_packed_key_limit(path):
+    """A chunk whose keys pass the AVX2 path's packed-key limit (4,096: it then runs flash-style, 8 rows at a time)
+    and one just within it; every path agrees with the dense reference."""
+    check([(4100, 11), (4070, 16)], 9, 3, 64, block_size=16, seed=13)
+
+
 def test_bounded_pieces(monkeypatch):
     """Long chunks are split by query rows and big decode batches by requests; same results."""
     monkeypatch.setattr(cpu_sdpa, "_MAX_SCORE_ELEMS", 300)
