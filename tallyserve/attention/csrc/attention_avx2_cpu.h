@@ -336,6 +336,24 @@ void pack_head(const KvT* K, const KvT* V, const int64_t* row_off, int64_t n, in
   }
 }
 
+// c[r][0:16] (c0[r], c1[r]) = sum over k < kn of A[r * lda + k] * B[k * ldb + 0:16], for R (1 to 6) rows: the
+// register tile of both of gemm_block's products (one broadcast of R values and two loads of B per k).
+template <int R>
+inline void tile16(const float* A, int64_t lda, const float* B, int64_t ldb, int64_t kn, __m256* c0, __m256* c1) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+}
+
 // R (1 to 6) rows of one query head: q rows q_row apart (the head's 64 values at q), output rows o_row apart;
 // row r sees keys 0 .. last0 + r; kt / vr from pack_head; sc: R rows of ld scratch scores.
 template <int R>
@@ -346,19 +364,7 @@ void gemm_block(const float* q, int64_t q_row, float* o, int64_t o_row, const fl
   const __m256 scale8 = _mm256_set1_ps(scale);
   for (int64_t p = 0; p < panels; ++p) {
     __m256 c0[R], c1[R];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
-    const float* b = kt + p * 64 * 16;
-#pragma GCC unroll 4
-    for (int64_t d = 0; d < 64; ++d) {
-      const __m256 b0 = _mm256_loadu_ps(b + d * 16), b1 = _mm256_loadu_ps(b + d * 16 + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(q + r * q_row + d);
-        c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-        c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-      }
-    }
+    tile16<R>(q, q_row, kt + p * 64 * 16, 16, 64, c0, c1);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(sc + r * ld + p * 16, _mm256_mul_ps(c0[r], scale8));
@@ -372,17 +378,7 @@ void gemm_block(const float* q, int64_t q_row, float* o, int64_t o_row, const fl
   }
   for (int64_t c = 0; c < 4; ++c) {  // output dimensions 16 at a time, the sums over every key in registers
     __m256 a0[R], a1[R];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vr + j * 64 + c * 16), v1 = _mm256_loadu_ps(vr + j * 64 + c * 16 + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 pr = _mm256_broadcast_ss(sc + r * ld + j);
-        a0[r] = _mm256_fmadd_ps(pr, v0, a0[r]);
-        a1[r] = _mm256_fmadd_ps(pr, v1, a1[r]);
-      }
-    }
+    tile16<R>(sc, ld, vr + c * 16, 64, n, a0, a1);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       _mm256_storeu_ps(o + r * o_row + c * 16, a0[r]);
