@@ -279,15 +279,7 @@ class CpuSdpaBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         check_attention_inputs(q, k, v, kv_cache, meta)
-        if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
-            # one pass: rows to their slots, non-finite values stored as 0 (the cache stays finite, see above)
-            if torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping):
-                k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # fresh chunks attend what was cached
-                v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-            return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
-        k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)  # the cache stays finite (see above)
-        v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        k, v = _write_kv(q, k, v, kv_cache, meta.slot_mapping)
         if _use_kernel(q, kv_cache):
             return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
         return paged_attention_cpu(q, kv_cache, meta, scale)
@@ -297,12 +289,24 @@ class CpuSdpaBackend(AttentionBackend):
         """Every row's K/V into the cache, then only ``out.rows`` attend, read from the cache (each a decode-like
         row over its request's keys)."""
         check_attention_inputs(q, k, v, kv_cache, meta)
-        if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
-            torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, meta.slot_mapping)
-        else:
-            write_kv_cache(torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0),
-                           torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), kv_cache, meta.slot_mapping)
+        _write_kv(q, k, v, kv_cache, meta.slot_mapping)
         q = q[out.rows]
         if _use_kernel(q, kv_cache):
             return paged_attention_kernel(q, None, None, kv_cache, out.meta, scale)
         return paged_attention_cpu(q, kv_cache, out.meta, scale)
+
+
+def _write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v rows to their slots with non-finite values stored as 0 (the cache stays finite, see above); returns k, v
+    as cached, which fresh chunks attend."""
+    if _use_kernel(q, kv_cache) and k.dtype == torch.float32:
+        # one pass; it reports whether any value was non-finite
+        if torch.ops.tallyserve_cpu.write_kv_cache_(k, v, kv_cache, slot_mapping):
+            k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
+            v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        return k, v
+    k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
+    v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    write_kv_cache(k, v, kv_cache, slot_mapping)
+    return k, v
