@@ -160,6 +160,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     # Disaggregated prefill/decode (vLLM's name): {"kv_connector": "NixlConnector", "kv_role": ...}.
     kv_transfer_config: Optional[Any] = None
+    # Structured outputs: a grammar compile that takes longer than this many seconds is a 400 (its
+    # worker process is killed), and constraints over these sizes are refused before compiling.
+    structured_outputs_compile_timeout: float = 5.0
+    structured_outputs_max_schema_bytes: int = 128 * 1024
+    structured_outputs_max_enum_values: int = 1000
+    structured_outputs_max_properties: int = 1000
 
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
@@ -184,6 +190,12 @@ class EngineArgs:
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _check_int("kv_offload_bytes", self.kv_offload_bytes, 0, optional=True)
         _check_int("max_logprobs", self.max_logprobs, 0)
+        for name in ("structured_outputs_max_schema_bytes", "structured_outputs_max_enum_values",
+                     "structured_outputs_max_properties"):
+            _check_int(name, getattr(self, name), 1)
+        timeout = self.structured_outputs_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")
         from tallyserve.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -126,6 +126,7 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 5.0, reason: str = "the server shut down") -> None:
         """Stop the loop: unfinished requests are aborted and end with EngineDeadError. If the loop
         does not stop within `timeout` (stuck in a step), its requests are failed from here."""
+        self.engine.structured.manager.shutdown()  # compiles under way are cancelled, not waited for
         self._inbox.put(("stop", reason))
         if self._thread is not None and self._dead_reason is None:
             self._thread.join(timeout)

@@ -96,7 +96,7 @@ class EngineCoreClient(AsyncLLMEngine):
         self.block_size = info["block_size"]
         self._stats = info["stats"]
         self.tokenizer = _load_tokenizer(info, args)
-        self.engine = _FrontendEngine(self.tokenizer, self.vocab_size, info["eos_token_ids"])
+        self.engine = _FrontendEngine(self.tokenizer, self.vocab_size, info["eos_token_ids"], args)
 
     def _wait_ready(self) -> dict[str, Any]:
         while not self._out.poll(0.2):
@@ -147,6 +147,7 @@ class EngineCoreClient(AsyncLLMEngine):
         """Stop the engine core: unfinished requests end with EngineDeadError. If it has not stopped
         within `timeout` (stuck in a step), it is killed and its requests are failed from here."""
         deadline = time.monotonic() + timeout
+        self.engine.structured.manager.shutdown()  # validation compiles: cancelled, their workers killed
         self._inbox.put(("stop", reason))
         if self._thread is not None:
             self._thread.join(timeout)
@@ -234,11 +235,13 @@ class _FrontendEngine:
     cache (grammars are compiled here to answer 400s, and again in the engine core process; its
     metrics merge both), and no KV connector or executor (disaggregated serving runs in-thread)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], args: Any) -> None:
+        from tallyserve.structured_output.limits import StructuredOutputsLimits
         from tallyserve.structured_output.manager import StructuredOutputManager
 
         self.tokenizer = tokenizer
-        self.structured = SimpleNamespace(manager=StructuredOutputManager(tokenizer, vocab_size, eos_token_ids))
+        self.structured = SimpleNamespace(manager=StructuredOutputManager(
+            tokenizer, vocab_size, eos_token_ids, limits=StructuredOutputsLimits.from_args(args)))
         self.kv_connector = None
         self.executor = None
 

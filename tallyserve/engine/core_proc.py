@@ -247,6 +247,7 @@ def run_engine_core(args: Any, cmd_conn: Connection, out_conn: Connection, board
         out_conn.send(("failed", isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"))
         return
     loop = EngineCoreLoop(engine, board, out_conn, **loop_kwargs)
+    engine.structured.manager.warm_up()  # a compile worker starts now, not with the first request
     out_conn.send(("ready", engine_info(engine, loop)))
     threading.Thread(target=loop.receive, args=(cmd_conn,), name="tallyserve-core-inbox", daemon=True).start()
     threading.Thread(target=loop.watch, args=(parent_pid,), name="tallyserve-core-watch", daemon=True).start()

@@ -28,6 +28,7 @@ from tallyserve.request import Request, RequestStatus
 from tallyserve.runner.model_runner import resolve_device, resolve_dtype
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams, check_unicode
+from tallyserve.structured_output.limits import StructuredOutputsLimits
 from tallyserve.structured_output.engine_hooks import StructuredOutputHooks
 from tallyserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -87,6 +88,7 @@ class LLMEngine:
                                                 self.config.cache_config.num_blocks)
         self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec)
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
+        self.structured_outputs_limits = StructuredOutputsLimits.from_args(args)
         self.structured = StructuredOutputHooks(self)  # grammars: compile off the loop, bitmasks per step
         self.core.grammar = self.structured.manager
         self.scheduler.grammar_waits = not self.executor.defers_sampling  # async: see Scheduler.grammar_waits
@@ -187,7 +189,6 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self.process_prompt(prompt)
-        grammar = self.structured.submit(params)  # compiles on a thread pool; ValueError if known bad
         max_model_len = self.config.scheduler_config.max_model_len
         check_prompt_length(len(ids), max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
@@ -200,6 +201,7 @@ class LLMEngine:
             if kv_transfer_params and kv_transfer_params.get("do_remote_prefill") and params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs cannot be computed from a remote prefill's KV: ask the prefill "
                                  "instance for them, or send the request without kv_transfer_params")
+        grammar = self.structured.submit(params)  # compiles in the compile pool; ValueError if known bad
         parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()},
                              prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):

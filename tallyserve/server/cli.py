@@ -22,6 +22,7 @@ logger = logging.getLogger("tallyserve.server")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 GRACE_AFTER_DRAIN_S = 5.0  # for connections to flush their last bytes once the engine has stopped
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 def register(subparsers) -> None:
@@ -49,6 +50,9 @@ def register(subparsers) -> None:
                    help="close a connection whose request headers are not complete this many seconds after it "
                         f"opened or sent its first byte, so half-open connections never pile up (default: "
                         f"{DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="answer 408 and close the connection when a request's body has not fully arrived this many "
+                        f"seconds after its headers (default: {DEFAULT_BODY_TIMEOUT_S:g})")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent in a request (off: such a request is a 400; a template "
                         "can run for as long as it likes on the tokenizer thread)")
@@ -136,17 +140,25 @@ def _validate(ns: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if not ns.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0, got {ns.header_timeout}")
+    if not ns.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0, got {ns.body_timeout}")
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on request headers, which uvicorn lacks: a
-    connection that has not sent complete headers `header_timeout` seconds after it opened (or,
-    between keep-alive requests, after the next request's first byte) is closed, with a 408 if it
-    sent anything. The deadline is not extended by trickled bytes. Idle keep-alive connections
-    stay under uvicorn's own keep-alive timeout. See `header_timeout_protocol`."""
+class RequestTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines on request headers and bodies, which uvicorn lacks.
+
+    Headers: a connection that has not sent complete headers `header_timeout` seconds after it
+    opened (or, between keep-alive requests, after the next request's first byte) is closed, with
+    a 408 if it sent anything. Body: a request whose body is not complete `body_timeout` seconds
+    after its headers is answered 408 (when no response has started) and its connection closed.
+    Neither deadline is extended by trickled bytes, so slow clients cannot hold file descriptors
+    for long. Idle keep-alive connections stay under uvicorn's own keep-alive timeout. See
+    `request_timeout_protocol`."""
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     _header_timer: Optional[asyncio.TimerHandle] = None
+    _body_timer: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -154,37 +166,60 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE:  # the request's headers are still incomplete
+        state = self.conn.their_state
+        if state is h11.IDLE:  # the request's headers are still incomplete
             self._arm_header_timer()
-        else:
-            self._cancel_header_timer()
+            return
+        self._header_timer = _cancel(self._header_timer)
+        if state is h11.SEND_BODY:
+            if self._body_timer is None and not self.transport.is_closing():
+                self._body_timer = self.loop.call_later(self.body_timeout, self._on_body_timeout)
+        else:  # the body is complete (DONE), or the connection is past the request
+            self._body_timer = _cancel(self._body_timer)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
-        self._cancel_header_timer()
+        self._header_timer = _cancel(self._header_timer)
+        self._body_timer = _cancel(self._body_timer)
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None and not self.transport.is_closing():
             self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout)
 
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
             return
         if self.conn.trailing_data[0]:  # it sent part of a request: say why it is closed
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.write(_REQUEST_TIMEOUT)
         self.logger.debug("closing a connection that sent no complete request headers in %ss", self.header_timeout)
         self.transport.close()
 
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        cycle = getattr(self, "cycle", None)
+        if cycle is None or not cycle.response_started:
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.logger.debug("closing a connection whose request body did not arrive in %ss", self.body_timeout)
+        self.transport.close()  # the app's receive() then reports the client gone
 
-def header_timeout_protocol(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class to pass as uvicorn's `http=`, with this header timeout."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
+
+_REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _cancel(timer: Optional[asyncio.TimerHandle]) -> None:
+    if timer is not None:
+        timer.cancel()
+    return None
+
+
+def request_timeout_protocol(header_timeout: float, body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+                             ) -> type[RequestTimeoutProtocol]:
+    """The protocol class to pass as uvicorn's `http=`, with these deadlines."""
+    return type("RequestTimeoutProtocol", (RequestTimeoutProtocol,),
+                {"header_timeout": header_timeout, "body_timeout": body_timeout})
 
 
 def raise_open_file_limit() -> None:
@@ -274,7 +309,7 @@ def serve(ns: argparse.Namespace) -> int:
                     trust_request_chat_template=ns.trust_request_chat_template,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                            http=header_timeout_protocol(ns.header_timeout),
+                            http=request_timeout_protocol(ns.header_timeout, ns.body_timeout),
                             access_log=not ns.disable_access_log, timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
                             lifespan="on")
     logger.info("serving %s at http://%s:%d/v1", engine.served_model_name, ns.host, ns.port)

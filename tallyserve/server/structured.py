@@ -19,7 +19,8 @@ from dataclasses import fields as dc_fields
 from typing import Any, Optional
 
 from tallyserve.sampling_params import SamplingParams, StructuredOutputsParams
-from tallyserve.server.errors import bad_request, quote
+from tallyserve.server.errors import bad_request, quote, rate_limited, unavailable
+from tallyserve.structured_output.compile_pool import CompileCancelledError, CompileQueueFullError
 
 BACKENDS = ("xgrammar", "auto")
 # The request field a handler's constraint came from, for the 400 of a grammar that does not compile.
@@ -112,14 +113,34 @@ def structured_outputs_of(req: Any) -> tuple[Optional[StructuredOutputsParams], 
 
 
 async def check_compiles(engine: Any, params: SamplingParams) -> None:
-    """Compile the request's grammar (on a thread, off the event loop and the step loop; the
-    engine finds it in its cache when the request is added) before the request is accepted: a
-    400 naming the field if it does not compile. ``engine``: the AsyncLLMEngine."""
+    """Compile the request's grammar before the request is accepted (in the compile pool's
+    worker processes; the engine finds it in its cache when the request is added): a 400 naming
+    the field if it is over a limit, uses what the backend cannot enforce, does not compile or
+    does not compile in time; a 429 when too many compiles wait. A caller cancelled while it
+    waits (its client left) gives up its claim, and a compile nobody else waits for is killed.
+    ``engine``: the AsyncLLMEngine."""
     so = params.structured_outputs
     if so is None:
         return
-    manager = engine.engine.structured.manager  # its compile cache is thread-safe
+    manager = engine.engine.structured.manager  # thread-safe; nothing here blocks the event loop
     try:
-        await asyncio.to_thread(manager.compile, so)
+        ticket = manager.submit(so)
     except ValueError as exc:
         raise bad_request(str(exc), CONSTRAINT_FIELD.get() or "structured_outputs") from exc
+    except CompileQueueFullError as exc:
+        raise rate_limited(f"{exc}; retry later") from exc
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()  # this waiter's own: cancelling it leaves the shared compile alone
+    ticket.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(
+        lambda: done.done() or done.set_result(None)))
+    try:
+        await done
+    finally:
+        manager.release(ticket)  # also when cancelled: the compile stops if nobody else waits
+    try:
+        manager.result(ticket)
+    except ValueError as exc:
+        raise bad_request(str(exc), CONSTRAINT_FIELD.get() or "structured_outputs") from exc
+    except CompileCancelledError as exc:
+        raise unavailable(f"the grammar compile was cancelled ({exc}): the server is shutting down",
+                          "shutting_down") from exc

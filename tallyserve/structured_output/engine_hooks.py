@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Optional
 
 from tallyserve.request import RequestStatus
+from tallyserve.structured_output.compiler import CompileTicket
 from tallyserve.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -35,35 +35,42 @@ class StructuredOutputHooks:
         self.engine = engine
         pin = engine.device.type == "cuda" and engine.executor.defers_sampling  # the runner shares this process
         self.manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
-                                               engine.eos_token_ids, pin_memory=pin)
-        self.waiting: dict[str, Future] = {}  # parent request id -> its grammar's future
+                                               engine.eos_token_ids, pin_memory=pin,
+                                               limits=engine.structured_outputs_limits)
+        self.waiting: dict[str, CompileTicket] = {}  # parent request id -> its grammar's compile
         # The offline LLM compiles at add time, so a bad constraint is a ValueError there; the
         # server validates before adding, and the engine itself never waits for a compile.
         self.compile_at_add = False
 
-    def submit(self, params: "SamplingParams") -> Optional[Future]:
+    def submit(self, params: "SamplingParams") -> Optional[CompileTicket]:
         """At add time: start compiling; ValueError now if the constraint is already known bad."""
         so = params.structured_outputs
         if so is None:
             return None
-        fut = self.manager.submit(so)
-        if self.compile_at_add:
-            fut.result()  # raises the ValueError of a constraint that does not compile
-        elif fut.done() and fut.exception() is not None:
-            raise fut.exception()
-        return fut
+        ticket = self.manager.submit(so)
+        fut = ticket.future
+        if self.compile_at_add or (fut.done() and fut.exception() is not None):
+            try:
+                self.manager.result(ticket)  # raises the ValueError of a constraint that does not compile
+            except BaseException:
+                self.manager.release(ticket)
+                raise
+        return ticket
 
-    def admit(self, parent: "ParentState", fut: Optional[Future]) -> None:
+    def admit(self, parent: "ParentState", ticket: Optional[CompileTicket]) -> None:
         """Schedule the parent's sequences now if their grammar is ready, else park them."""
-        if fut is not None and not fut.done():
-            self.waiting[parent.request_id] = fut
+        if ticket is not None and not ticket.future.done():
+            self.waiting[parent.request_id] = ticket
             return
-        self._start(parent, fut)
+        self._start(parent, ticket)
 
-    def _start(self, parent: "ParentState", fut: Optional[Future]) -> None:
+    def _start(self, parent: "ParentState", ticket: Optional[CompileTicket]) -> None:
         engine = self.engine
-        if fut is not None:
-            compiled = fut.result()
+        if ticket is not None:
+            try:
+                compiled = self.manager.result(ticket)
+            finally:
+                self.manager.release(ticket)
             for seq in parent.children:
                 kind = seq.request.sampling_params.structured_outputs.kind
                 self.manager.register(seq.request.request_id, compiled, kind)
@@ -77,26 +84,29 @@ class StructuredOutputHooks:
             return
         engine = self.engine
         if not engine.scheduler.requests and not engine.core.has_inflight():
-            concurrent.futures.wait(list(self.waiting.values()), timeout=IDLE_COMPILE_WAIT_S,
+            concurrent.futures.wait([t.future for t in self.waiting.values()], timeout=IDLE_COMPILE_WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        for rid, fut in list(self.waiting.items()):
-            if not fut.done():
+        for rid, ticket in list(self.waiting.items()):
+            if not ticket.future.done():
                 continue
             del self.waiting[rid]
             parent = engine._parents.get(rid)
             if parent is None:
+                self.manager.release(ticket)
                 continue
-            exc = fut.exception()
-            if exc is None:
-                self._start(parent, fut)
-            else:
+            try:
+                self._start(parent, ticket)
+            except Exception as exc:  # noqa: BLE001 - the constraint did not compile (or was cancelled)
                 self.end_parked(parent, RequestStatus.FINISHED_ERROR, str(exc))
 
     def abort(self, request_id: str) -> bool:
-        """Abort a parked request; False if it is not parked."""
-        fut = self.waiting.pop(request_id, None)
+        """Abort a parked request (its compile is cancelled if nobody else waits for it); False
+        if it is not parked."""
+        ticket = self.waiting.pop(request_id, None)
+        if ticket is not None:
+            self.manager.release(ticket)
         parent = self.engine._parents.get(request_id)
-        if fut is None or parent is None:
+        if ticket is None or parent is None:
             return False
         self.end_parked(parent, RequestStatus.FINISHED_ABORTED, None)
         return True

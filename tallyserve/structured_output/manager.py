@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -21,7 +20,8 @@ import torch
 
 from tallyserve.sampling_params import StructuredOutputsParams
 from tallyserve.structured_output.bitmask import GrammarBitmask, HostBitmaskBuffers
-from tallyserve.structured_output.compiler import GrammarCompileCache, GrammarKey
+from tallyserve.structured_output.compiler import CompileTicket, GrammarCompileCache, GrammarKey
+from tallyserve.structured_output.limits import StructuredOutputsLimits
 
 if TYPE_CHECKING:
     from tallyserve.core.sched_output import SchedulerOutput
@@ -47,8 +47,9 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Optional["Tokenizer"], vocab_size: int, eos_token_ids: Sequence[int],
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, limits: Optional[StructuredOutputsLimits] = None) -> None:
         self._tokenizer = tokenizer
+        self.limits = limits or StructuredOutputsLimits.default()
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size  # the model's logits width
         # the width of the grammar's bitmask rows; the logits past it are forbidden (bitmask.py)
@@ -79,20 +80,50 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self.grammar_vocab_size,
                                                           stop_token_ids=sorted(self._grammar_stops))
                 self._json_words = _no_control_words(info.decoded_vocab, self.grammar_vocab_size, self.eos_token_ids)
-                self._cache = GrammarCompileCache(info)
+                self._cache = GrammarCompileCache(info, self.limits)
             return self._cache
+
+    def warm_up(self) -> None:
+        """Describe the vocabulary to xgrammar and start a compile worker, in the background (a
+        server calls this at start, so its first structured request waits for neither)."""
+        if self._tokenizer is None:
+            return
+
+        def run() -> None:
+            try:
+                self.cache.pool.prestart()
+            except Exception as exc:  # noqa: BLE001 - the first request builds it again and reports
+                logger.warning("structured outputs warm-up failed: %s: %s", type(exc).__name__, exc)
+
+        threading.Thread(target=run, name="structured-outputs-warm-up", daemon=True).start()
 
     @property
     def stats(self):
         return self._cache.stats if self._cache is not None else None
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """Start compiling (or share the compiled grammar of) ``params``; ValueError if it is
-        malformed before compiling (e.g. a schema that is not JSON)."""
+    def submit(self, params: StructuredOutputsParams) -> CompileTicket:
+        """Start compiling (or share the compiled grammar of) ``params``: the caller waits on the
+        ticket's future and gives it back with `release` (or takes the grammar with `result`).
+        ValueError if it is malformed or over a limit before compiling (e.g. a schema that is not
+        JSON); CompileQueueFullError when too many compiles wait."""
         key = GrammarKey.of(params)
         cache = self.cache
         cache.stats.count_request(key.kind)
-        return cache.submit(key)
+        return CompileTicket(key, cache.submit(key))
+
+    def result(self, ticket: CompileTicket, timeout: Optional[float] = None) -> Any:
+        """The ticket's compiled grammar (ValueError naming the field if it did not compile)."""
+        return self.cache.result(ticket.key, ticket.future, timeout)
+
+    def release(self, ticket: CompileTicket) -> None:
+        """The ticket's holder stops waiting: a compile nobody waits for any more is cancelled."""
+        if self._cache is not None:
+            self._cache.release(ticket.key)
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """The checks before compiling (JSON of the schema, limits, unsupported keywords): ValueError."""
+        key = GrammarKey.of(params)
+        self.limits.check(key.kind, key[1])
 
     def compile(self, params: StructuredOutputsParams, timeout: Optional[float] = None) -> Any:
         """Compile synchronously (for validation before a request is accepted); ValueError if invalid."""

@@ -17,6 +17,7 @@ import torch
 from tallyserve import LLM, SamplingParams, StructuredOutputsParams
 from tallyserve.config import EngineArgs
 from tallyserve.engine.llm_engine import LLMEngine
+from tallyserve.structured_output import compile_pool
 from tallyserve.structured_output.bitmask import allowed_from_bitmask, mask_rows
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -165,12 +166,17 @@ def test_a_constraint_that_does_not_compile_is_a_value_error(model_dir, so, fiel
     _check_ledger(llm)
 
 
-def test_engine_fails_the_request_when_its_grammar_fails(model_dir):
-    engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
+def _gate_compiles(monkeypatch) -> threading.Event:
+    """Hold every compile's answer (in the pool's slot threads) until the returned event is set."""
     gate = threading.Event()
-    cache = engine.structured.manager.cache
-    real = cache._compile
-    cache._compile = lambda key: (gate.wait(10), real(key))[1]  # fails after the add returned
+    real = compile_pool._finish
+    monkeypatch.setattr(compile_pool, "_finish", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
+    return gate
+
+
+def test_engine_fails_the_request_when_its_grammar_fails(model_dir, monkeypatch):
+    engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
+    gate = _gate_compiles(monkeypatch)  # fails after the add returned
     engine.add_request("bad", "Hi", _params(_so(regex="x{2,1}")))
     engine.add_request("good", "Hi", _params(_so(regex=REGEX)))
     gate.set()
@@ -185,17 +191,9 @@ def test_engine_fails_the_request_when_its_grammar_fails(model_dir):
     assert s["scheduled_tokens"] == s["forward_tokens"] and s["num_free_blocks"] == s["num_total_blocks"]
 
 
-def test_compiling_request_waits_outside_the_scheduler(model_dir):
+def test_compiling_request_waits_outside_the_scheduler(model_dir, monkeypatch):
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
-    gate = threading.Event()
-    cache = engine.structured.manager.cache
-    real = cache._compile
-
-    def slow(key):
-        gate.wait(10)
-        return real(key)
-
-    cache._compile = slow
+    gate = _gate_compiles(monkeypatch)
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     engine.add_request("g", "Numbers: 4", _params(_so(regex=REGEX)))
     while "plain" in engine._parents:
@@ -213,18 +211,19 @@ def test_compiling_request_waits_outside_the_scheduler(model_dir):
     assert s["scheduled_tokens"] == s["forward_tokens"] and s["num_free_blocks"] == s["num_total_blocks"]
 
 
-def test_abort_while_compiling(model_dir):
+def test_abort_while_compiling_cancels_the_compile(model_dir, monkeypatch):
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
-    gate = threading.Event()
-    cache = engine.structured.manager.cache
-    real = cache._compile
-    cache._compile = lambda key: (gate.wait(10), real(key))[1]
+    gate = _gate_compiles(monkeypatch)
     engine.add_request("g", "Hi", _params(_so(regex="z+")))
+    future = engine.structured.waiting["g"].future
     engine.abort_request("g")
     outs = engine.step()
     gate.set()
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
+    with pytest.raises(compile_pool.CompileCancelledError):  # nobody waited for it any more
+        future.result(10)
+    assert engine.structured.manager.stats.cancelled == 1
 
 
 def test_compiles_are_cached_per_constraint(model_dir):

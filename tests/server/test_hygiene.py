@@ -22,6 +22,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
 BODY_LIMIT = 3_000_000
 HEADER_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 2.0
 LOW_SOFT_NOFILE = 256
 HALF_OPEN = 300  # more than LOW_SOFT_NOFILE
 STALL_TIMEOUT_S = 0.5
@@ -36,7 +37,7 @@ def server(api_server):
 
 @pytest.fixture(scope="module")
 def hostile(tiny_model_dir, server_logs):
-    """A server started with a low soft open-file limit, a short header timeout, a small body limit,
+    """A server started with a low soft open-file limit, short header and body timeouts, a small body limit,
     a one-request queue, a short stall timeout, fault injection and no docs."""
     def low_nofile() -> None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -47,6 +48,7 @@ def hostile(tiny_model_dir, server_logs):
         mp.setattr(subprocess, "Popen", lambda *a, **kw: popen(*a, preexec_fn=low_nofile, **kw))
         srv = LiveServer(tiny_model_dir, server_logs, "--served-model-name", MODEL, "--enable-fault-injection",
                          "--max-queue-len", "1", "--header-timeout", str(HEADER_TIMEOUT_S), "--disable-docs",
+                         "--body-timeout", str(BODY_TIMEOUT_S),
                          "--max-request-body-bytes", str(BODY_LIMIT), "--stall-timeout", str(STALL_TIMEOUT_S))
     yield srv
     srv.stop()
@@ -206,6 +208,41 @@ def test_half_open_connections_over_the_soft_fd_limit(hostile):
             s.close()
     assert closed == HALF_OPEN and saw_408
     assert HEADER_TIMEOUT_S * 0.9 <= elapsed < HEADER_TIMEOUT_S + 5
+    assert _health_s(hostile.base_url) < 1.0
+
+
+def test_slow_bodies_over_the_soft_fd_limit_get_408(hostile):
+    """More slow-body connections (complete headers, Content-Length 1000, 10 bytes, then silence)
+    than the soft open-file limit the server started with: /health still answers, and each slow
+    body gets its 408 and a closed connection once the body timeout passes."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2 * HALF_OPEN:
+        pytest.skip(f"the hard open-file limit ({hard}) is too low for this test")
+    if soft < 2 * HALF_OPEN:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * HALF_OPEN, hard))
+    socks = []
+    try:
+        opened = time.monotonic()
+        for _ in range(HALF_OPEN):
+            s = _connect(hostile)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+            socks.append(s)
+        for _ in range(3):
+            assert _health_s(hostile.base_url) < 1.0
+        answers = []
+        for s in socks:
+            s.settimeout(max(0.1, opened + BODY_TIMEOUT_S + 10 - time.monotonic()))
+            data = b""
+            while chunk := s.recv(4096):  # the server closes the connection after its 408
+                data += chunk
+            answers.append(data.split(b"\r\n", 1)[0])
+        elapsed = time.monotonic() - opened
+    finally:
+        for s in socks:
+            s.close()
+    assert answers == [b"HTTP/1.1 408 Request Timeout"] * HALF_OPEN
+    assert BODY_TIMEOUT_S * 0.9 <= elapsed < BODY_TIMEOUT_S + 10
     assert _health_s(hostile.base_url) < 1.0
 
 
