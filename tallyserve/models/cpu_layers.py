@@ -106,9 +106,17 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     t = x.shape[0]
     check_attention_inputs(torch.empty((t, hq, d), device="meta"), *[torch.empty((t, hkv, d), device="meta")] * 2,
                            first, attn_meta)
-    if any(c.shape != first.shape or c.dtype != first.dtype for c in kv_caches):
-        raise ValueError("every layer's KV cache must have the first one's shape and dtype")
+    if any(c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous() for c in kv_caches):
+        raise ValueError("every layer's KV cache must be contiguous, with the first one's shape and dtype")
     cos, sin = rope
+    if (cos.shape != (t, d) or sin.shape != cos.shape or sin.stride() != cos.stride() or cos.stride(1) != 1
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32):
+        raise ValueError(f"cos/sin must be float32 ({t}, {d}), the same strides, the last 1; got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    # what the operator's TORCH_CHECKs would refuse, as ValueError here (cpu_kernels: errors from the kernels are
+    # unsafe on some hosts): block ids and seq_lens against the cache, the slots
+    plan.validate(first, t)
+    cpu_kernels.check_slots(attn_meta.slot_mapping, t, first)
     return torch.ops.tallyserve_cpu.decode_layers(
         x.contiguous(), *weights, model.norm.weight, model.norm.eps, hq, hkv, d, cos, sin, kv_caches,
         attn_meta.slot_mapping, plan.tables, plan.qsl, plan.lens, attn.scale, projections)

@@ -41,7 +41,7 @@ def pack_sgemm_weight(weight: torch.Tensor) -> bool:
     (``sgemm_float32_pays`` decides whether a float32 model packs). False where the kernels lack it."""
     from tallyserve.attention import cpu_kernels
 
-    if weight.dtype != torch.float32 or weight.dim() != 2 or not cpu_kernels.load() or \
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or not cpu_kernels.load() or \
             not torch.ops.tallyserve_cpu.sgemm_built():
         return False
     weight.sgemm_packed = torch.ops.tallyserve_cpu.pack_sgemm_weight(weight)

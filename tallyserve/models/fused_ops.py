@@ -51,6 +51,36 @@ def _on_cpu(x: torch.Tensor) -> bool:
     return not _INTERPRET and x.device.type == "cpu"
 
 
+# The CPU operators' arguments, checked before the call: a bad one is a ValueError here, never the operator's own
+# TORCH_CHECK (an exception from a compiled kernel ends the process on some hosts, see attention/cpu_kernels.py).
+# A few attribute reads per call (about a microsecond).
+_F32 = torch.float32
+
+
+def _check_norm_args(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bf16_out: bool) -> None:
+    if not (x.dtype == _F32 or (bf16_out and x.dtype == torch.bfloat16)) or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"add_rms_norm on the CPU: x must be a contiguous float32 (T, N){' or bfloat16' * bf16_out}; "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if weight.dtype != _F32 or weight.numel() != x.shape[1] or not weight.is_contiguous():
+        raise ValueError(f"add_rms_norm on the CPU: weight must be a contiguous float32 ({x.shape[1]},); "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    if residual is not None and (residual.dtype != _F32 or residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"add_rms_norm on the CPU: the residual must be a contiguous float32 tensor shaped as x "
+                         f"{tuple(x.shape)}; got {residual.dtype} {tuple(residual.shape)}")
+
+
+def _check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x (T, H, D) with a contiguous last dimension (the callers check the strides), cos/sin (T, D)."""
+    tokens, _, dim = x.shape
+    if x.dtype != _F32 or dim % 2:
+        raise ValueError(f"rotary on the CPU: x must be float32 (T, H, D) with an even D; got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if (cos.dtype != _F32 or sin.dtype != _F32 or cos.shape != (tokens, dim) or sin.shape != cos.shape
+            or sin.stride() != cos.stride()):
+        raise ValueError(f"rotary on the CPU: cos and sin must be float32 ({tokens}, {dim}) with the same strides; "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
 def fuses_kv_write(qkv: torch.Tensor) -> bool:
     """Whether ``rotary_write_kv_`` runs for ``qkv`` (the Triton kernels: CUDA, or the interpreter), unless
     TALLYSERVE_FUSED_KV_WRITE=0 (then the attention backend writes the KV rows itself)."""
@@ -190,6 +220,7 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     bfloat16 matmul, dtype="bfloat16"): x float32 or bfloat16, the residual and the arithmetic float32, the
     result rounded once to bfloat16."""
     if _on_cpu(x):
+        _check_norm_args(x, residual, weight, out_dtype == torch.bfloat16)
         if out_dtype == torch.bfloat16:
             return torch.ops.tallyserve_cpu.add_rms_norm_bf16(x, residual, weight, eps)
         return torch.ops.tallyserve_cpu.add_rms_norm(x, residual, weight, eps)
@@ -208,6 +239,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("rotary_ needs a contiguous last dimension")
     if _on_cpu(x):
+        _check_rope_args(x, cos, sin)
         torch.ops.tallyserve_cpu.rotary_(x, cos, sin)
         return
     half = dim // 2
@@ -225,6 +257,10 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     if qk.stride(2) != 1 or cos.stride(1) != 1:
         raise ValueError("qk_norm_rotary_ needs a contiguous last dimension")
     if _on_cpu(qk):
+        _check_rope_args(qk, cos, sin)
+        if not 0 < num_q_heads < heads or any(w.dtype != _F32 or w.numel() != dim for w in (q_weight, k_weight)):
+            raise ValueError(f"qk_norm_rotary_ on the CPU: float32 q/k norm weights of {dim} and 0 < num_q_heads "
+                             f"({num_q_heads}) < {heads} heads")
         torch.ops.tallyserve_cpu.qk_norm_rotary_(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
         return
     half = dim // 2
@@ -269,6 +305,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] (T, 2N) contiguous; returns (T, N)."""
     if _on_cpu(gate_up):  # PyTorch's vectorized SiLU beat a compiled loop at every size measured (float32)
         if gate_up.dtype == torch.bfloat16:  # float32 arithmetic, one rounding (two PyTorch ops round twice)
+            if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+                raise ValueError(f"silu_mul on the CPU: gate_up must be contiguous (T, 2N); got {tuple(gate_up.shape)}")
             return torch.ops.tallyserve_cpu.silu_mul_bf16(gate_up)
         n = gate_up.shape[1] // 2
         return torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]

@@ -50,6 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return out if bias is None else out.add_(bias)
     panels = getattr(weight, "sgemm_packed", None)  # cpu_products.pack_sgemm_weight: float32 on the AVX2 kernel
     if panels is not None and x.dim() == 2 and x.dtype == torch.float32:
+        _check_inner(x, weight)
         out = torch.ops.tallyserve_cpu.linear_sgemm(x.contiguous(), panels, weight.shape[0]).to(out_dtype)
         return out if bias is None else out.add_(bias)
     packed = getattr(weight, "mkldnn_packed", None)  # cpu_products.pack_cpu_weight: the CPU's blocked projections
@@ -60,12 +61,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if weight.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= CPU_GEMV_MAX_ROWS and \
             cpu_gemv_serves(weight):
         # one to four rows on the CPU (decode of a few sequences): a kernel that streams the bf16 weights
+        _check_inner(x, weight)
         out = torch.ops.tallyserve_cpu.gemv_bf16(x.to(torch.bfloat16).contiguous(), weight).to(out_dtype)
         return out if bias is None else out.add_(bias)
     if weight.dtype == x.dtype == out_dtype and (bias is None or bias.dtype == out_dtype):
         return F.linear(x, weight, bias)
     out = F.linear(x.to(weight.dtype), weight).to(out_dtype)
     return out if bias is None else out.add_(bias)
+
+
+def _check_inner(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError before a compiled CPU product (cpu_kernels: an error from the kernel is unsafe on some hosts)
+    unless x's features are the weight's input features."""
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not match the weight {tuple(weight.shape)}")
 
 
 # GatedMLP on the CPU: rows per piece of a long chunk, float32 and bfloat16 weights. oneDNN's bfloat16 kernels

@@ -182,7 +182,8 @@ def threads_for(cores: int, others: float, max_threads: int) -> int:
 
 
 def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
-    """The compiled kernels' task-pool setter (``tallyserve_cpu::set_task_pool_threads``) where ``model``'s
+    """The compiled kernels' task-pool setter (``cpu_kernels.set_task_pool_threads``: a count outside the pool's range
+    is a ValueError, never the kernel's own check) where ``model``'s
     projections run on tallyserve's AVX2 product (``pack_cpu_weights(kernel="sgemm")``), so the forward's heavy
     operators (products, attention, norms) are the kernels' own; None otherwise, or with
     ``TALLYSERVE_CPU_TASK_POOL=0``."""
@@ -190,7 +191,7 @@ def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
         return None
     from tallyserve.attention import cpu_kernels
 
-    return torch.ops.tallyserve_cpu.set_task_pool_threads if cpu_kernels.load() else None
+    return cpu_kernels.set_task_pool_threads if cpu_kernels.load() else None
 
 
 class CpuThreadGovernor:

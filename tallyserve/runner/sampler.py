@@ -41,7 +41,7 @@ def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     for ``max(dim=-1)``, itself 2-3x faster than ``argmax`` there)."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    if logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[-1] > 0:
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[-1] > 0:
         from tallyserve.attention import cpu_kernels
 
         if cpu_kernels.load():

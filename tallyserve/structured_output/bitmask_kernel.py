@@ -67,6 +67,15 @@ def mask_logits_rows_(logits: torch.Tensor, words: torch.Tensor, rows: torch.Ten
     if rows.numel() == 0:
         return logits
     if logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # what the operator's checks refuse, as ValueError here (an error from a compiled kernel is unsafe on some
+        # hosts, see attention/cpu_kernels.py); one min/max of the indices
+        if logits.dtype != torch.float32 or words.device.type != "cpu":
+            raise ValueError("the CPU bitmask takes float32 logits and CPU words")
+        from tallyserve.attention import cpu_kernels
+
+        lo, hi = cpu_kernels.int_bounds(rows)
+        if lo < 0 or hi >= logits.shape[0]:
+            raise ValueError(f"row index {lo if lo < 0 else hi} is outside the logits' {logits.shape[0]} rows")
         torch.ops.tallyserve_cpu.mask_logits_rows_(logits, words, rows)
         return logits
     vocab = logits.shape[1]

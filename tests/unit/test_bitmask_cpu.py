@@ -53,8 +53,9 @@ def test_cpu_mask_equals_the_operator_chain(rows_total, vocab, num_words, rows):
 def test_cpu_mask_refuses_bad_rows_without_writing():
     logits = torch.zeros(2, 64)
     words = torch.zeros(2, 2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="outside the logits"):
-        bitmask_kernel.mask_logits_rows_(logits, words, torch.tensor([0, 5]))
+    for rows in ([0, 5], [-1, 0]):  # refused by the Python check, before the kernel
+        with pytest.raises(ValueError, match="outside the logits"):
+            bitmask_kernel.mask_logits_rows_(logits, words, torch.tensor(rows))
     assert torch.equal(logits, torch.zeros(2, 64))
     with pytest.raises(ValueError, match="one logits row index per bitmask row"):
         bitmask_kernel.mask_logits_rows_(logits, torch.zeros(3, 2, dtype=torch.int32), torch.tensor([0, 1]))

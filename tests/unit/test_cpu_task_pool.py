@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tallyserve.attention import cpu_kernels
+from tests.kernel_errors import RAW_THROW
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels did not build")
@@ -42,6 +43,18 @@ def test_threads_are_set_and_bad_counts_refused(pool):
     assert pool.task_pool_threads() == 5
     pool.set_task_pool_threads(1)  # one thread is no pool
     assert pool.task_pool_threads() == 0
+    cpu_kernels.set_task_pool_threads(3)  # the checked setter the thread governor calls
+    assert pool.task_pool_threads() == 3
+    for bad in (-1, 100000, 2.5, "4", None):  # refused in Python, before the kernel's own check
+        with pytest.raises(ValueError, match="0 \\(off\\) to"):
+            cpu_kernels.set_task_pool_threads(bad)
+    assert pool.task_pool_threads() == 3
+    cpu_kernels.set_task_pool_threads(0)
+    assert pool.task_pool_threads() == 0
+
+
+@RAW_THROW
+def test_the_kernel_refuses_bad_counts_itself(pool):
     for bad in (-1, 100000):
         with pytest.raises(RuntimeError, match="0 \\(off\\) to"):
             pool.set_task_pool_threads(bad)
@@ -118,6 +131,26 @@ def test_a_second_thread_calling_in_gets_its_own_result(pool):
     assert bad == []
 
 
+def test_a_bad_block_id_is_refused_before_the_kernel_and_the_pool_stays_usable(pool):
+    """Through the attention backend (its Python checks): a ValueError, no kernel call."""
+    import dataclasses
+
+    from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
+    from tests.unit.test_attention_ref import make_case
+
+    q, k, v, cache, meta, _, _ = make_case([(37, 1), (100, 20), (0, 9)], 9, 3, 64, 16, seed=4)
+    cache.copy_(cache.nan_to_num(0.0))
+    ref = CpuSdpaBackend().forward(q, k, v, cache.clone(), meta, 0.125)
+    torch.set_num_threads(1)
+    pool.set_task_pool_threads(3)
+    bad_tables = meta.block_tables.clone()
+    bad_tables[1, 0] = 10_000
+    with pytest.raises(ValueError, match="block id out of range"):
+        CpuSdpaBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, block_tables=bad_tables), 0.125)
+    assert torch.equal(CpuSdpaBackend().forward(q, k, v, cache.clone(), meta, 0.125), ref)
+
+
+@RAW_THROW
 def test_a_kernel_error_leaves_the_pool_usable(pool):
     q, cache, tables, qsl, seq_lens = paged_case(4)
     ref = pool.paged_attention(q, cache, tables, qsl, seq_lens, 0.125)
@@ -127,6 +160,8 @@ def test_a_kernel_error_leaves_the_pool_usable(pool):
     bad_tables[1, 0] = 10_000
     with pytest.raises(RuntimeError, match="block id out of range"):
         pool.paged_attention(q, cache, bad_tables, qsl, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="probe expects \\(from a task\\)"):  # thrown in a task on the pool
+        pool.probe_error(1)
     assert torch.equal(pool.paged_attention(q, cache, tables, qsl, seq_lens, 0.125), ref)
 
 

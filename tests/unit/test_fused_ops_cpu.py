@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.attention import cpu_kernels, cpu_sdpa
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 from tallyserve.attention.torch_ref import write_kv_cache
 from tallyserve.models import cpu_layers, fused_ops
 from tallyserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from tallyserve.models.loader import load_model, resolve_model
+from tests.kernel_errors import RAW_THROW
 from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load() or fused_ops._INTERPRET,
@@ -109,12 +110,33 @@ def test_silu_mul():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(RuntimeError, match="residual"):
+    """By the Python checks before the operators (ValueError; an error from a compiled kernel is unsafe on some
+    hosts, see cpu_kernels)."""
+    with pytest.raises(ValueError, match="residual"):
         fused_ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.tallyserve_cpu.add_rms_norm(torch.randn(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-6)
-    with pytest.raises(RuntimeError, match="cos"):
+    with pytest.raises(ValueError, match="float32"):
+        fused_ops.add_rms_norm(torch.randn(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        fused_ops.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match="cos"):
         fused_ops.rotary_(torch.randn(2, 3, 8), *_rope(3, 8))
+    with pytest.raises(ValueError, match="even D"):
+        fused_ops.rotary_(torch.randn(3, 2, 7), *_rope(3, 8))
+    with pytest.raises(ValueError, match="num_q_heads"):
+        fused_ops.qk_norm_rotary_(torch.randn(3, 4, 8), torch.ones(8), torch.ones(8), 4, 1e-6, *_rope(3, 8))
+    with pytest.raises(ValueError, match="gate_up"):
+        fused_ops.silu_mul(torch.randn(2, 7).to(torch.bfloat16))
+
+
+@RAW_THROW
+def test_bad_shapes_are_refused_by_the_operators_too():
+    ops = torch.ops.tallyserve_cpu
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.add_rms_norm(torch.randn(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="cos"):
+        ops.rotary_(torch.randn(2, 3, 8), *_rope(3, 8))
 
 
 def test_kv_cache_write_skips_padding_and_stores_non_finite_values_as_zero():
@@ -130,6 +152,17 @@ def test_kv_cache_write_skips_padding_and_stores_non_finite_values_as_zero():
                    torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0), want, slots)
     assert torch.equal(cache, want)
     assert cache.view(2, 16, 3, 8)[0, 0, 2, 3] == 0.0 and torch.all(cache.view(2, 16, 3, 8)[:, 1:9] == 5.0)
+    # a slot past the cache: refused by the backend's check before the kernel, nothing written
+    before = cache.clone()
+    with pytest.raises(ValueError, match="past the cache"):
+        cpu_sdpa._write_kv(torch.zeros(4, 3, 8), k, v, cache, torch.tensor([16, 0, 1, 2]))
+    assert torch.equal(cache, before)
+
+
+@RAW_THROW
+def test_kv_cache_write_refuses_a_slot_past_the_cache():
+    cache = torch.zeros(2, 4, 4, 3, 8)
+    k = v = torch.randn(4, 3, 8)
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, torch.tensor([16, 0, 1, 2]))
 
@@ -305,8 +338,18 @@ def test_gemv_bf16_equals_float32_sums_of_bf16_products_rounded_once(rows, n, k)
     # linear() takes this kernel for up to four rows, then adds the float32 bias to the float32 result
     out = linear(x, w, bias)
     assert out.dtype == torch.float32 and torch.equal(out, got.float() + bias)
+    with pytest.raises(ValueError, match="does not match the weight"):  # the Python check before the kernel
+        linear(x[:, :-1], w, bias)
+
+
+@RAW_THROW
+@pytest.mark.skipif(not hasattr(torch.ops.tallyserve_cpu, "gemv_bf16") if cpu_kernels.load() else True,
+                    reason="the kernels were built without AVX512-BF16")
+def test_gemv_bf16_refuses_more_than_four_rows():
+    """The kernel's own check; layers.linear sends it one to four rows only."""
+    w = torch.randn(8, 16).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        torch.ops.tallyserve_cpu.gemv_bf16(torch.zeros(5, k, dtype=torch.bfloat16), w)
+        torch.ops.tallyserve_cpu.gemv_bf16(torch.zeros(5, 16, dtype=torch.bfloat16), w)
 
 
 @pytest.mark.parametrize("dim", [64, 40])
@@ -424,8 +467,16 @@ def test_greedy_argmax_vocabulary_rows():
     x[5, 49151] = 60.0  # the last position
     got = greedy_token_ids(x)
     assert torch.equal(got, x.argmax(dim=-1)) and got[3] == 7 and got[5] == 49151
+    # what the kernel refuses (not contiguous, not 2-D) takes PyTorch's max instead
+    assert torch.equal(greedy_token_ids(x[:5, :300].t()), x[:5, :300].t().argmax(dim=-1))
+    assert greedy_token_ids(x[0]) == x[0].argmax()
+
+
+@RAW_THROW
+def test_argmax_rows_refuses_a_non_contiguous_tensor():
+    x = torch.randn(4, 6)
     with pytest.raises(RuntimeError, match="argmax_rows"):
-        torch.ops.tallyserve_cpu.argmax_rows(x.t())  # not contiguous
+        torch.ops.tallyserve_cpu.argmax_rows(x.t())
 
 
 @settings(max_examples=40, deadline=None)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tallyserve.attention import cpu_kernels
 from tallyserve.models import cpu_products, layers
+from tests.kernel_errors import RAW_THROW
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels.load() and torch.ops.tallyserve_cpu.sgemm_built()),
                                 reason="the kernels were built without AVX2 + FMA")
@@ -56,6 +57,15 @@ def test_linear_takes_the_panels_and_keeps_biases_and_dtypes():
     assert not cpu_products.pack_sgemm_weight(torch.randn(4, 4, dtype=torch.bfloat16))  # float32 weights only
 
 
+def test_linear_refuses_features_that_do_not_match_the_panels():
+    """layers.linear checks x's features against the weight before the kernel (ValueError, not its TORCH_CHECK)."""
+    w = torch.randn(20, 8)
+    assert cpu_products.pack_sgemm_weight(w)
+    with pytest.raises(ValueError, match="does not match the weight"):
+        layers.linear(torch.randn(3, 9), w)
+
+
+@RAW_THROW
 @pytest.mark.parametrize("x,n,message", [
     (torch.randn(3, 8).t(), 16, "contiguous float32"),
     (torch.randn(3, 9), 16, "packed must come from"),

@@ -164,6 +164,22 @@ void set_task_pool_threads(int64_t n) {
 
 int64_t get_task_pool_threads() { return pool().threads(); }
 
+// The load-time probe's error (cpu_kernels.py runs it once per build, in a subprocess): where 0, thrown on the
+// calling thread; where 1, in a task of tallyserve's parallel_for (on the pool while it is on, else on ATen's
+// threads) and rethrown to the caller. The probe passes when Python catches both as RuntimeError; on a host where
+// an exception from the extension does not reach Python (issue 36: a segmentation fault instead), the kernels
+// stay off. Any other `where` returns 0.
+int64_t probe_error(int64_t where) {
+  const char* what = "tallyserve_cpu::probe_error: the error the load-time probe expects";
+  TORCH_CHECK(where != 0, what);
+  if (where == 1) {
+    tallyserve_cpu_ops::parallel_for(0, 64, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) TORCH_CHECK(i != 37, what, " (from a task)");
+    });
+  }
+  return 0;
+}
+
 }  // namespace
 
 namespace tallyserve_cpu_ops {
@@ -189,4 +205,6 @@ void run_tasks(int64_t n, const std::function<void(int64_t)>& fn) {
 TORCH_LIBRARY_FRAGMENT(tallyserve_cpu, m) {
   m.def("set_task_pool_threads(int n) -> ()", &set_task_pool_threads);
   m.def("task_pool_threads() -> int", &get_task_pool_threads);
+  m.def("task_pool_max_threads() -> int", [] { return kMaxThreads; });
+  m.def("probe_error(int where) -> int", &probe_error);
 }
