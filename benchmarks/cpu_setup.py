@@ -1,7 +1,7 @@
 """Setup of the CPU side-by-side benchmark: model copies, vLLM's CPU build, llama.cpp's llama-server.
 
 Everything lives under one cache directory (default ``~/.cache/tallyserve-cpubench``, or
-``$TALLYSERVE_CPUBENCH_CACHE``) and is made once by ``cpu_bench.py --setup``; later runs reuse it:
+``$TALLYSERVE_CPUBENCH_CACHE``) and is made once by ``benchmarks/cpu.py setup``; later runs reuse it:
 
 * ``model-hf/``: config.json + model.safetensors + tokenizer files of the bundled model, dequantized to fp32
   by transformers' GGUF loader (for transformers and vLLM);
@@ -52,7 +52,7 @@ class Paths:
                 "llama.cpp-bf16": [self.bf16_gguf, self.llama_server]}.get(engine, [])
         absent = [str(p) for p in need if not p.exists()]
         if absent:
-            return f"{engine} is not set up ({', '.join(absent)} missing): run benchmarks/cpu_bench.py --setup"
+            return f"{engine} is not set up ({', '.join(absent)} missing): run benchmarks/cpu.py setup"
         return None
 
 
@@ -113,6 +113,7 @@ def _write_gguf(dst: Path, bf16: bool) -> None:
     from tallyserve.models.bundled import bundled_gguf_path
 
     src = bundled_gguf_path()
+    dst.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache folder yet
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = dst.with_suffix(".tmp")
@@ -192,6 +193,7 @@ def setup(paths: Paths, engines: list[str]) -> dict[str, str]:
              "llama.cpp": [write_f32_gguf, setup_llama_cpp], "llama.cpp-bf16": [write_bf16_gguf, setup_llama_cpp],
              "vllm-bf16": [write_hf_model, setup_vllm]}
     failed: dict[str, str] = {}
+    paths.root.mkdir(parents=True, exist_ok=True)
     for engine in engines:
         for step in steps.get(engine, []):
             try:

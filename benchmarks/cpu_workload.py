@@ -1,9 +1,9 @@
 """Workload W of the CPU side-by-side benchmark, and the aggregation of its results.
 
 W: the bundled SmolLM2-135M-Instruct, 64 prompts of 32-512 random token ids, 64 new tokens each, greedy,
-EOS ignored, all submitted at once. The prompts come from ``random.Random(seed)`` in the same order as
-``benchmarks/cpu_w_slice.py`` draws them (a length, then that many ids in [100, 40000)), so the slice's 16
-prompts are W's first 16. With the default seed 0, W has 16,103 prompt tokens.
+EOS ignored, all submitted at once. The prompts come from ``random.Random(seed)``, a length, then that many ids
+in [100, 40000), so W's first 16 prompts are the 16-prompt slice of the first CPU figures (``benchmarks/cpu.py w
+--num-prompts 16``). With the default seed 0, W has 16,103 prompt tokens.
 
 Pure Python (no torch): every engine's worker, the driver and the unit tests import it.
 """

@@ -1,6 +1,7 @@
-"""The workloads of benchmarks/h200_bench.py and how it runs them on an engine: prompts, a timed run of
-requests (step profile, TTFT / inter-token latency, Triton compiles inside it), the ITL sweep over
-scheduler settings, batch-1 decode, and transformers' continuous batching for comparison."""
+"""The GPU workloads of ``benchmarks/gpu.py`` (and ``serving.py fidelity``) and how they run on an engine: prompts, a
+timed run of requests (step profile, TTFT / inter-token latency, Triton compiles inside it), the ITL sweep over
+scheduler settings, batch-1 decode, transformers' continuous batching for comparison, and the CUDA timing helpers.
+(The name is historical: the tests import it as ``h200_runs``.)"""
 
 from __future__ import annotations
 
@@ -19,10 +20,39 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from h200_checks import _median_ms, log  # noqa: E402
 from tallyserve.engine.gc_heap import frozen_heap  # noqa: E402
 
-HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # docs/benchmarks.md, H200, transformers generate_batch
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_ms(fn, calls: int = 20, reps: int = 5) -> float:
+    """GPU milliseconds of one ``fn()``: ``calls`` of them captured in one CUDA graph (no launch
+    overhead, as decode steps run), median of ``reps`` replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _median_ms(graph.replay, reps=reps, warmup=1) / calls
+
+HF_SECONDS = {"mixed": 134.6, "shared": 38.5}  # H200, transformers generate_batch (2026-11-29)
 
 
 def mixed_prompts(vocab: int, scale: float):

@@ -3,9 +3,9 @@
 `h200_runs.run_requests(record_steps=True)` records them) priced by the cost model one by one, the
 simulator's own schedule of the same trace against the engine's, and TTFT request by request.
 
-    python3 benchmarks/sim_fidelity.py DIR [--profile DIR/profile.json]
+    python benchmarks/serving.py reprice DIR [--profile DIR/profile.json]
 
-reads what `benchmarks/h200_serving.py` wrote to DIR (offline_steps.json, profile.json, ttft.json,
+reads what `benchmarks/serving.py fidelity` wrote to DIR (offline_steps.json, profile.json, ttft.json,
 mixed_trace.jsonl) and prints the comparison again with this checkout's cost model: no GPU needed.
 
 A step's measured time is its period: when its results reached the host minus when the step
@@ -152,12 +152,12 @@ def step_report(steps: list, cost, add_s: float = 0.0) -> dict:
     return {"by_kind": by_kind(steps), "timeline": timeline(steps, add_s), "worst_steps": slowest(steps)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", help="what benchmarks/h200_serving.py wrote ($OUT)")
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="what benchmarks/serving.py fidelity wrote ($OUT)")
     ap.add_argument("--profile", default=None, help="a profile JSON (default: DIR/profile.json)")
     ap.add_argument("--model", default=None, help="model preset of the simulator (default: the profile's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from tallyserve.sim.cli import load_model_config
     from tallyserve.sim.profile_cost import ProfileCostModel
 

@@ -6,91 +6,14 @@ Import from a test with ``from tests.tiny_models import make_tiny_model, load_hf
 
 from __future__ import annotations
 
-import math
-import os
 import random
-from typing import Optional
 
 import torch
 
 from tallyserve.attention.metadata import AttentionMetadata
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
-_TINY_SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-)
-
-
-def _hf_config(arch: str, vocab_size: int, tie: bool, rope_scaling: Optional[dict], overrides: dict):
-    import transformers
-
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }
-    if arch not in classes:
-        raise ValueError(f"arch must be one of {list(classes)}, got {arch!r}")
-    kwargs = dict(_TINY_SHAPE, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-    if arch == "qwen3":
-        kwargs["head_dim"] = 32  # explicit head_dim != hidden / heads, as in real Qwen3
-    theta = float(overrides.pop("rope_theta", 10000.0))
-    # transformers 5 keeps RoPE settings in one nested dict, `rope_parameters`.
-    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
-    kwargs.update(overrides)
-    return classes[arch](**kwargs)
-
-
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that logits are far from uniform; norms and biases perturbed."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-        elif name.endswith(".bias"):
-            param.copy_(0.2 * torch.randn(param.shape, generator=gen))
-        elif "embed_tokens" in name:
-            param.copy_(torch.randn(param.shape, generator=gen))
-        else:
-            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1]))
-
-
-def make_tiny_model(
-    tmp_dir,
-    arch: str = "llama",
-    *,
-    tie_word_embeddings: bool = False,
-    rope_scaling: Optional[dict] = None,
-    seed: int = 0,
-    vocab_size: int = 256,
-    max_shard_size: Optional[str | int] = None,
-    **overrides,
-) -> str:
-    """Save a random float32 ``transformers`` model of ``arch`` into ``tmp_dir`` (safetensors,
-    sharded when ``max_shard_size`` is given, e.g. "100KB") and return the directory.
-
-    ``rope_scaling`` is e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}; ``overrides`` go to the
-    config (``rope_theta`` included). No tokenizer files are written."""
-    import transformers
-
-    config = _hf_config(arch, vocab_size, tie_word_embeddings, rope_scaling, dict(overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
-    out = os.fspath(tmp_dir)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out, **kwargs)
-    return out
+# The builders live in the package (the benchmarks use them too); re-exported here for the tests.
+from tallyserve.bench.tiny_models import ARCHS, _hf_config, _randomize, make_tiny_model  # noqa: E402,F401
 
 
 def load_hf_model(model_dir: str) -> torch.nn.Module:

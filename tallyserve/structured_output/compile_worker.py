@@ -11,7 +11,7 @@ The protocol on stdin / stdout: frames of an 8-byte little-endian length and a p
   worker -> parent: ("ready",) once, when xgrammar is imported; then for each compile
                     ("ok", job, compiled_grammar_json) | ("err", job, error_type, message)
 The worker's data segment is capped (RLIMIT_DATA: what it uses at start plus
-``TALLYSERVE_COMPILE_WORKER_MEMORY`` bytes, default 2 GiB), so a compile that would eat the
+``TALLYSERVE_COMPILE_WORKER_MEMORY`` bytes, default 1 GiB), so a compile that would eat the
 machine's memory fails as an error instead; it dies with its parent (PR_SET_PDEATHSIG).
 """
 
@@ -25,7 +25,7 @@ import sys
 from typing import Any, BinaryIO, Optional
 
 _HEADER = struct.Struct("<Q")
-DEFAULT_WORKER_MEMORY = 2 << 30
+DEFAULT_WORKER_MEMORY = 1 << 30
 
 
 def write_frame(f: BinaryIO, obj: Any) -> None:
