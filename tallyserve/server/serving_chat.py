@@ -128,7 +128,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     gens = [tracked(ctx, request_id, prompt_with_params({"prompt_token_ids": ids}, kv_params), params)]
     if req.stream:
         stream = await prime(raw, merged(gens))
-        return SSEResponse(_stream(ctx, req, request_id, params.n, stream, plan))
+        return SSEResponse(_stream(ctx, req, request_id, params.n, stream, plan), stream)
     out = (await collect(raw, gens))[0]
     return JSONResponse(add_to_body(_response(ctx, req, request_id, out, plan).model_dump(), [out]))
 

@@ -144,7 +144,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             for i, p in enumerate(prompts)]
     if req.stream:
         stream = await prime(raw, merged(gens))
-        return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream))
+        return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream), stream)
     outs = await collect(raw, gens)
     return JSONResponse(add_to_body(_response(ctx, req, request_id, prompts, outs).model_dump(), outs))
 
