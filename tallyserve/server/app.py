@@ -14,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tallyserve import __version__
 from tallyserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, FaultKind
 from tallyserve.server import errors
 from tallyserve.server.errors import APIError, validation_message
-from tallyserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tallyserve.server.metrics import CONTENT_TYPE, ServerMetrics, request_scope
 from tallyserve.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         CompletionRequest, CompletionResponse, DetokenizeRequest,
                                         DetokenizeResponse, ErrorResponse, FaultRequest, HealthResponse, ModelCard,
@@ -34,6 +35,7 @@ from tallyserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")  # docs, redoc, schema; /docs covers /docs/oauth2-redirect
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # counted in requests_total
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
@@ -109,7 +111,14 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
         return _error_response(ctx, errors.bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc.__cause__, ClientDisconnect):
+            # FastAPI's 400 "error parsing the body" for a client that left while its body was read:
+            # nobody is there for an answer, so it is no error response; a generation route counts it
+            # in requests_total as one abort (it reached its route, like a client gone mid-stream)
+            if request.url.path in GENERATION_PATHS:
+                ctx.metrics.client_left_before_body()
+            return Response(status_code=499)
         err = APIError(exc.status_code, str(exc.detail), errors.status_error_type(exc.status_code))
         response = _error_response(ctx, err)
         for key, value in (exc.headers or {}).items():
@@ -123,11 +132,13 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
 
 
 class InternalErrorMiddleware:
-    """Pure ASGI, outermost: an unexpected exception becomes a 500 in OpenAI's shape and is not
-    re-raised. (Starlette's ServerErrorMiddleware re-raises after its 500, and uvicorn then drops
-    the connection without `Connection: close`, so a pooled client's next request hits a closed
-    socket.) Once a response has started nothing can be sent: the exception is logged, and uvicorn
-    closes the connection because that response is incomplete."""
+    """Pure ASGI, outermost: every request runs in a metrics request scope (metrics.request_scope:
+    an engine request nothing else finished is counted when the exchange ends), and an unexpected
+    exception becomes a 500 in OpenAI's shape and is not re-raised. (Starlette's
+    ServerErrorMiddleware re-raises after its 500, and uvicorn then drops the connection without
+    `Connection: close`, so a pooled client's next request hits a closed socket.) Once a response
+    has started nothing can be sent: the exception is logged, and uvicorn closes the connection
+    because that response is incomplete."""
 
     def __init__(self, app, ctx: ServerContext) -> None:
         self.app = app
@@ -144,14 +155,15 @@ class InternalErrorMiddleware:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:  # noqa: BLE001 - the point of this middleware
-            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if not started:
-                err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", errors.SERVER_ERROR,
-                               None, "internal_error")
-                await _error_response(self.ctx, err)(scope, receive, send)
+        with request_scope():
+            try:
+                await self.app(scope, receive, tracking_send)
+            except Exception as exc:  # noqa: BLE001 - the point of this middleware
+                logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+                if not started:
+                    err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", errors.SERVER_ERROR,
+                                   None, "internal_error")
+                    await _error_response(self.ctx, err)(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -182,16 +194,17 @@ class BodyLimitMiddleware:
             if body is None:
                 await self._reject(receive, send, None)
                 return
-            receive = _replay(body, receive)
+            receive = _replay(body, receive) if body is not _CLIENT_LEFT else receive
         await self.app(scope, receive, send)
 
-    async def _read_counted(self, receive) -> Optional[bytes]:
-        """The whole body, or None once it passes the limit."""
+    async def _read_counted(self, receive) -> Any:
+        """The whole body, None once it passes the limit, or _CLIENT_LEFT when the client leaves
+        before its end (the app then reads the disconnect, never a cut body it would call bad JSON)."""
         parts, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return b"".join(parts)  # the client left: the app sees the disconnect next
+                return _CLIENT_LEFT
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
@@ -211,6 +224,9 @@ class BodyLimitMiddleware:
         with contextlib.suppress(asyncio.TimeoutError):  # lingering close: drop what is still coming
             await asyncio.wait_for(_discard_body(receive), self.LINGER_S)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+_CLIENT_LEFT = object()  # _read_counted: the client left before the end of its body
 
 
 def _int_or_none(value: Optional[bytes]) -> Optional[int]:

@@ -100,6 +100,8 @@ _SHARED: dict[str, FieldInfo] = {
     "temperature": _h("0 is greedy"),
     "top_p": _h("nucleus sampling"),
     "user": _h("an end-user identifier: accepted, changes no output"),
+    "metadata": _h("OpenAI's string pairs (at most 16 keys of up to 64 characters, values of up to 512): "
+                   "nothing is stored, the response object echoes them (stream chunks do not)"),
     "best_of": _h("with use_beam_search the beam width; otherwise only equal to n"),
     # vLLM sampling extras
     "use_beam_search": _h("beam search (no streaming, stop strings, logprobs, penalties)"),
@@ -179,7 +181,6 @@ CHAT_FIELDS: dict[str, FieldInfo] = {
     "verbosity": _u("there is no verbosity control"),
     "service_tier": _u("there are no service tiers", "auto", "default"),
     "store": _u("completions are not stored", False),
-    "metadata": _u("completions are not stored, so metadata has no use", {}),
     "web_search_options": _u("web search is not supported"),
     "prompt_cache_key": _u("a caching hint: prefix caching is automatic", ANY_STRING),
     "safety_identifier": _u("an end-user identifier: changes no output", ANY_STRING),

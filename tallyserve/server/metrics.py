@@ -1,14 +1,29 @@
 """Prometheus metrics, all named `tallyserve_*`, in a per-app CollectorRegistry.
 
 Request-level metrics (finish reasons, latencies, tokens) are recorded by the server as requests
-end. Engine-level ones (queue gauges, KV blocks, prefix hits, preemptions, ledger violations) are
-read at scrape time from the stats snapshot the engine loop publishes after every step, so the
-event loop never touches the engine itself."""
+end. `tallyserve_requests_total{finish_reason}` counts each engine request that a completions,
+chat or responses route starts exactly once, whatever its end: one per choice (one in all when
+it ended before any output), "stop" / "length" when it finished, "error" when the engine failed,
+"abort" when it was cut short: its client left (mid-stream, or before the response started), or
+the engine refused it as queue full (a 429 as well). A client that leaves while its request body
+is still being read counts as one "abort" (the request reached its route; no response is made).
+A request refused before the engine (validation, admission: 4xx / 503) is not in it.
+`tallyserve_http_errors_total{status}` counts the error responses the server answers with; a
+client that left while its body was read gets none (not a 400). Every HTTP request runs in a
+`request_scope` (entered by the app's outermost middleware): when the exchange ends, each of its
+trackers that nothing finished (an engine stream never iterated, as when the client left before the
+response started) is finished then, as an abort.
+
+Engine-level ones (queue gauges, KV blocks, prefix hits, preemptions, ledger violations) are read
+at scrape time from the stats snapshot the engine loop publishes after every step, so the event
+loop never touches the engine itself."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Iterable, Optional
+from contextvars import ContextVar
+from typing import Iterable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -82,7 +97,8 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tallyserve_requests", "Finished completions (one per choice) by finish reason.",
+        self.requests = Counter("tallyserve_requests", "Engine requests started by the completions, chat and "
+                                "responses routes, once each whatever their end (one per choice), by finish reason.",
                                 ["finish_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(finish_reason=reason)
@@ -108,7 +124,36 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+        """A tracker of one engine request, counted from now on: finished by its stream, or at the
+        end of the request scope it was made in."""
+        tracker = RequestTracker(self)
+        scope = _OPEN_TRACKERS.get()
+        if scope is not None:
+            scope.append(tracker)
+        return tracker
+
+    def client_left_before_body(self) -> None:
+        """A completions / chat / responses request whose client left before its body was read:
+        one abort (its n is unknown), no error response."""
+        self.requests.labels(finish_reason="abort").inc()
+
+
+# The trackers made while serving one HTTP request (request_scope), shared by the tasks it starts.
+_OPEN_TRACKERS: ContextVar[Optional[list["RequestTracker"]]] = ContextVar("tallyserve_open_trackers", default=None)
+
+
+@contextlib.contextmanager
+def request_scope() -> Iterator[None]:
+    """Around one HTTP request: on exit, every tracker made inside that is still open is finished
+    (RequestTracker.close), so each engine request is counted exactly once, however it ended."""
+    token = _OPEN_TRACKERS.set([])
+    try:
+        yield
+    finally:
+        trackers = _OPEN_TRACKERS.get() or []
+        _OPEN_TRACKERS.reset(token)
+        for tracker in trackers:
+            tracker.close()
 
 
 class RequestTracker:
@@ -127,6 +172,14 @@ class RequestTracker:
         self.last = out
         if timed and self.first_token is None and any(o.token_ids for o in out.outputs):
             self.first_token = time.monotonic()
+
+    def discard(self) -> None:
+        """Never count this request (it never ran: the client got an error response instead)."""
+        self.done = True
+
+    def close(self) -> None:
+        """Finish the request as its last output says, or as an abort if it did not finish."""
+        self.finish(None if self.last is not None and self.last.finished else "abort")
 
     def finish(self, override_reason: Optional[str] = None) -> None:
         """Record the request; override_reason ("abort", "error") for requests that did not end

@@ -60,6 +60,33 @@ class _Request(BaseModel):
         return value
 
 
+METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+
+
+def check_metadata(value: Any) -> Optional[dict[str, str]]:
+    """OpenAI's `metadata`: null, or an object of at most 16 string keys (at most 64 characters)
+    to string values (at most 512 characters). Anything else is a validation error naming the
+    field (a 400 with param "metadata"). Nothing is stored: responses echo it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("metadata", "must be an object of string keys to string values")
+    if len(value) > METADATA_MAX_KEYS:
+        raise PydanticCustomError("metadata", "at most {limit} keys, got {count}",
+                                  {"limit": METADATA_MAX_KEYS, "count": len(value)})
+    for key, item in value.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise PydanticCustomError("metadata", "keys are at most {limit} characters, got one of {count}",
+                                      {"limit": METADATA_MAX_KEY_CHARS, "count": len(key)})
+        if not isinstance(item, str):
+            raise PydanticCustomError("metadata", "values must be strings, got {kind}",
+                                      {"kind": "null" if item is None else type(item).__name__})
+        if len(item) > METADATA_MAX_VALUE_CHARS:
+            raise PydanticCustomError("metadata", "values are at most {limit} characters, got one of {count}",
+                                      {"limit": METADATA_MAX_VALUE_CHARS, "count": len(item)})
+    return value
+
+
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False  # vLLM's; only false is supported (a 400 otherwise)
@@ -113,6 +140,13 @@ class SamplingFields(_Request):
     prompt_logprobs: Optional[int] = None
     # disaggregated serving (vLLM's name): {"do_remote_decode": true} to a producer, its answer to a consumer
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # OpenAI's: string pairs echoed in the (non-streamed) response object (check_metadata)
+    metadata: Optional[Any] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: Any) -> Optional[dict[str, str]]:
+        return check_metadata(value)
 
     @property
     def include_usage(self) -> bool:
@@ -214,7 +248,21 @@ class CompletionChoice(_Response):
     prompt_logprobs: PromptLogprobsField = None  # vLLM's, with the request's prompt_logprobs
 
 
-class CompletionResponse(_Response):
+class _EchoesMetadata(_Response):
+    """A response object that echoes the request's `metadata`: present only when it was sent."""
+
+    metadata: Optional[dict[str, str]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_metadata(self, handler):
+        out = handler(self)
+        metadata = out.pop("metadata", None)
+        if metadata is not None:
+            out["metadata"] = metadata  # last, after the object's own fields
+        return out
+
+
+class CompletionResponse(_EchoesMetadata):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
@@ -277,7 +325,7 @@ class ChatChoice(_Response):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_EchoesMetadata):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now)

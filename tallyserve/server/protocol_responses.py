@@ -12,10 +12,10 @@ import json
 import uuid
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, field_validator
 
 from tallyserve.server.errors import bad_request
-from tallyserve.server.protocol import _Request, now
+from tallyserve.server.protocol import _Request, check_metadata, now
 
 
 def response_id(prefix: str) -> str:
@@ -37,9 +37,14 @@ class ResponsesRequest(_Request):
     stream: Optional[bool] = False
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
+    metadata: Optional[Any] = None  # OpenAI's limits (protocol.check_metadata); echoed in the response
     user: Optional[str] = None
     text: Optional[dict[str, Any]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: Any) -> Optional[dict[str, str]]:
+        return check_metadata(value)
 
 
 # OpenAI request fields tallyserve does not implement: (why, harmless values besides null).

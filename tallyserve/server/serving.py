@@ -21,7 +21,7 @@ from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server import errors, fields
 from tallyserve.server.errors import APIError, bad_request, quote
-from tallyserve.server.metrics import ServerMetrics
+from tallyserve.server.metrics import RequestTracker, ServerMetrics
 from tallyserve.server.prompt_logprobs import check_prompt_logprobs
 from tallyserve.server.protocol import SamplingFields
 from tallyserve.server.structured import CONSTRAINT_FIELD, check_compiles, structured_outputs_of
@@ -230,25 +230,37 @@ async def tokenize(ctx: ServerContext, size: int, fn: Callable[[Any], T]) -> T:
 # ----------------------------------------------------------------------------- running
 
 
-async def tracked(ctx: ServerContext, request_id: str, prompt: dict, params: SamplingParams
-                  ) -> AsyncIterator[RequestOutput]:
-    """One engine request, its metrics recorded however it ends."""
-    await check_compiles(ctx.engine, params)  # a grammar that does not compile: 400 before any output
-    tracker = ctx.metrics.tracker()
-    gen = ctx.engine.generate(request_id, prompt, params)
+def tracked(ctx: ServerContext, request_id: str, prompt: dict, params: SamplingParams
+            ) -> AsyncIterator[RequestOutput]:
+    """One engine request, its metrics recorded however it ends: its tracker is made now, so a
+    stream that is never iterated (its client left before the response started) is still counted,
+    as an abort, when the request scope ends (metrics.request_scope)."""
+    return _tracked(ctx, ctx.metrics.tracker(), request_id, prompt, params)
+
+
+async def _tracked(ctx: ServerContext, tracker: RequestTracker, request_id: str, prompt: dict,
+                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
     try:
-        async for out in gen:
-            tracker.observe(out)
-            yield out
+        try:
+            await check_compiles(ctx.engine, params)  # a grammar that does not compile: 400 before any output
+        except APIError:
+            tracker.discard()  # never ran: the client gets the 400
+            raise
+        gen = ctx.engine.generate(request_id, prompt, params)
+        try:
+            async for out in gen:
+                tracker.observe(out)
+                yield out
+        finally:
+            await gen.aclose()  # aborts the request if it is still running
     except (StepFailedError, EngineDeadError):
         tracker.finish("error")
         raise
     except RequestRejectedError:
-        tracker.done = True  # never ran: a client error, not a finished request
+        tracker.discard()  # never ran: a client error, not a finished request
         raise
     finally:
-        await gen.aclose()  # aborts the request if it is still running
-        tracker.finish("abort" if tracker.last is None or not tracker.last.finished else None)
+        tracker.close()
 
 
 async def merged(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -329,7 +341,8 @@ async def collect(raw: Request, gens: list[AsyncIterator[RequestOutput]]) -> lis
 
 async def prime(raw: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]:
     """Wait for the first item before the response starts, so a rejected request still gets a
-    proper status; a step failure at this point is left to the stream (an error event)."""
+    proper status; a step failure at this point is left to the stream (an error event). The result
+    closes `stream` when it is closed, iterated or not (pass it to SSEResponse as its source)."""
     try:
         with engine_errors(step_failures=False):
             first = await until_disconnect(raw, stream.__anext__())
@@ -337,7 +350,7 @@ async def prime(raw: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]:
         return _empty()
     except StepFailedError as exc:
         return _raise_later(exc)
-    return _chain(first, stream)
+    return Primed(first, stream)
 
 
 async def _empty() -> AsyncIterator:
@@ -350,13 +363,22 @@ async def _raise_later(exc: BaseException) -> AsyncIterator:
     yield  # pragma: no cover
 
 
-async def _chain(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
+class Primed(AsyncIterator[T]):
+    """`first`, then the items of `rest`. Unlike an async generator, aclose() closes `rest` even
+    when this was never iterated (the response's body never started: its client left first)."""
+
+    def __init__(self, first: T, rest: AsyncIterator[T]) -> None:
+        self._first: list[T] = [first]
+        self._rest = rest
+
+    async def __anext__(self) -> T:
+        if self._first:
+            return self._first.pop()
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        self._first.clear()
+        await self._rest.aclose()
 
 
 @contextlib.contextmanager

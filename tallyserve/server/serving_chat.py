@@ -128,7 +128,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     gens = [tracked(ctx, request_id, prompt_with_params({"prompt_token_ids": ids}, kv_params), params)]
     if req.stream:
         stream = await prime(raw, merged(gens))
-        return SSEResponse(_stream(ctx, req, request_id, params.n, stream, plan))
+        return SSEResponse(_stream(ctx, req, request_id, params.n, stream, plan), stream)
     out = (await collect(raw, gens))[0]
     return JSONResponse(add_to_body(_response(ctx, req, request_id, out, plan).model_dump(), [out]))
 
@@ -148,7 +148,7 @@ def _response(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
     usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
     scored = prompt_logprobs_field(out.prompt_logprobs, req.prompt_logprobs) if req.prompt_logprobs is not None else None
     return ChatCompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage,
-                                  prompt_logprobs=scored)
+                                  prompt_logprobs=scored, metadata=req.metadata)
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, n: int,

@@ -144,7 +144,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
             for i, p in enumerate(prompts)]
     if req.stream:
         stream = await prime(raw, merged(gens))
-        return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream))
+        return SSEResponse(_stream(ctx, req, request_id, prompts, params.n, stream), stream)
     outs = await collect(raw, gens)
     return JSONResponse(add_to_body(_response(ctx, req, request_id, prompts, outs).model_dump(), outs))
 
@@ -169,7 +169,8 @@ def _response(ctx: ServerContext, req: CompletionRequest, request_id: str, promp
             completion_tokens += 0 if prompt_only else len(o.token_ids)
     choices.sort(key=lambda c: c.index)
     usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)
-    return CompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage)
+    return CompletionResponse(id=request_id, model=ctx.served_model_name, choices=choices, usage=usage,
+                              metadata=req.metadata)
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, prompts: list[_Prompt], n: int,

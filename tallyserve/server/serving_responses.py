@@ -78,7 +78,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     gens = [tracked(ctx, rid, {"prompt_token_ids": ids}, params)]
     if req.stream:
         stream = await prime(raw, merged(gens))
-        return SSEResponse(_stream(ctx, req, rid, stream, plan))
+        return SSEResponse(_stream(ctx, req, rid, stream, plan), stream)
     out = (await collect(raw, gens))[0]
     return JSONResponse(_response(ctx, req, rid, out, plan))
 

@@ -10,7 +10,13 @@
 - "none": the tools may be rendered, the output is plain content.
 
 Found calls come back as `message.tool_calls` (or streamed tool-call deltas), the text before
-them as content, and finish_reason "tool_calls"."""
+them as content, and finish_reason "tool_calls".
+
+Cut off by max_tokens (or a stop string) inside the calls, "required" and a named function answer
+as OpenAI does, streamed or not: `tool_calls` holds the calls as far as they go (those whose name
+is complete; the last one's `arguments` the JSON text generated so far, not parseable), content
+is null, and finish_reason stays the engine's ("length"), never "tool_calls". (An "auto" output cut
+inside a call is unchanged: whole, it is plain content; streamed, the call deltas already sent stand.)"""
 
 from __future__ import annotations
 
@@ -111,10 +117,10 @@ class ChoiceTools:
             return text, None, finish_reason
         out = self.parser.extract_tool_calls(text)
         if not out.tools_called:
-            return text, None, finish_reason
+            return out.content, None, finish_reason  # the text; None for forced calls cut before any name
         calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                  for c in out.tool_calls[:self.max_calls]]
-        return out.content, calls, tool_finish_reason(finish_reason, True)
+        return out.content, calls, tool_finish_reason(finish_reason, out.complete)
 
     def delta(self, delta_text: str, finished: bool):
         """(content delta, tool-call deltas) for text that just arrived."""
@@ -132,7 +138,8 @@ class ChoiceTools:
         return d.content, calls
 
     def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
-        return tool_finish_reason(finish_reason, self.parser is not None and self.parser.tools_called)
+        p = self.parser
+        return tool_finish_reason(finish_reason, p is not None and p.tools_called and not p.truncated)
 
 
 def chunk_groups(calls: list[DeltaToolCall]) -> list[list[DeltaToolCall]]:

@@ -71,6 +71,9 @@ def stream_error_event(exc: BaseException) -> str:
 class SSEResponse(StreamingResponse):
     """A server-sent-events stream whose body iterator is always closed, so a disconnected
     client's requests are aborted at once instead of whenever the generator is collected.
+    `source` (the engine stream the body reads, serving.prime's result) is closed too: a client
+    that leaves before the body starts (Starlette then never runs the body generator, so its own
+    cleanup never runs) still has its requests aborted and counted at once.
 
     A client that stops reading is cut off: when one `send` stays blocked (uvicorn's flow control
     holds it while the client does not read) longer than the engine's `slow_client_timeout`, the
@@ -79,8 +82,9 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], source: Optional[AsyncIterator[Any]] = None) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.source = source
 
     async def __call__(self, scope, receive, send) -> None:
         ctx = _server_context(scope)
@@ -91,6 +95,8 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            if self.source is not None:
+                await self.source.aclose()
 
 
 class SlowClientError(Exception):

@@ -42,10 +42,13 @@ class LiveServer:
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
         cmd = _command() + ["serve", "--model", model_dir, "--host", HOST, "--port", str(self.port),
                             *BASE_ARGS, *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        repo = str(Path(__file__).resolve().parents[2])
+        # this checkout's tallyserve, not whichever one the interpreter has installed (a worktree
+        # sharing another checkout's virtualenv would otherwise serve that checkout's code)
+        path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(Path(__file__).resolve().parents[2]))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=repo)
         self._wait_healthy()
 
     def log_tail(self, n: int = 40) -> str:

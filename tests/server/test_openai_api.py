@@ -228,3 +228,59 @@ def test_streamed_logprobs_equal_non_streamed(client):
     streamed = [e for c in client.chat.completions.create(stream=True, **chat)
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in whole_chat] and len(streamed) == 8
+
+
+METADATA = {"run": "nightly-7", "team": "search"}
+
+
+def test_metadata_is_accepted_and_echoed_in_the_response_object(server, client):
+    """OpenAI's `metadata` (nothing is stored): the chat completion and completion objects echo
+    it; without it the objects carry no `metadata` key; stream chunks do not carry it."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0, metadata=METADATA)
+    assert chat.to_dict()["metadata"] == METADATA
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                           extra_body={"metadata": METADATA})
+    assert completion.to_dict()["metadata"] == METADATA
+    widest = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # OpenAI's limits, exactly
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": PROMPTS[0]})):
+        base = {"model": MODEL, "max_tokens": 2, "temperature": 0, **body}
+        plain = httpx.post(server.base_url + path, headers=AUTH, timeout=30, json=base)
+        assert plain.status_code == 200 and "metadata" not in plain.json()
+        for metadata in (widest, {}, None):
+            r = httpx.post(server.base_url + path, headers=AUTH, timeout=30, json={**base, "metadata": metadata})
+            assert r.status_code == 200 and r.json().get("metadata") == metadata, (path, r.text[:300])
+        with httpx.stream("POST", server.base_url + path, headers=AUTH, timeout=30,
+                          json={**base, "metadata": METADATA, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events and all("metadata" not in e for e in events)
+
+
+@pytest.mark.parametrize("metadata,match", [
+    (["run", "nightly"], "object"),
+    ("nightly", "object"),
+    ({"run": 7}, "values must be strings"),
+    ({"run": None}, "values must be strings"),
+    ({"run": {"nested": "x"}}, "values must be strings"),
+    ({f"k{i}": "v" for i in range(17)}, "at most 16 keys"),
+    ({"k" * 65: "v"}, "at most 64 characters"),
+    ({"run": "v" * 513}, "at most 512 characters"),
+])
+def test_metadata_of_the_wrong_shape_is_a_400_naming_it(server, metadata, match):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": PROMPTS[0]}), ("/v1/responses", {"input": "Hi"})):
+        r = httpx.post(server.base_url + path, headers=AUTH, timeout=30,
+                       json={"model": MODEL, "metadata": metadata, **body})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "metadata" and match in err["message"], (path, err)
+
+
+def test_the_responses_api_echoes_metadata_as_before(server):
+    r = httpx.post(server.base_url + "/v1/responses", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "metadata": METADATA})
+    assert r.status_code == 200 and r.json()["metadata"] == METADATA
+    r = httpx.post(server.base_url + "/v1/responses", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+    assert r.status_code == 200 and r.json()["metadata"] == {}

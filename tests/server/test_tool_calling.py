@@ -255,3 +255,59 @@ def test_each_choice_gets_its_own_calls(tools_server):
     assert len(set(ids)) == 2
     for c in choices:
         _check_weather_args(c["message"]["tool_calls"][0]["function"]["arguments"])
+
+
+def _stream_calls(server, body: dict) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) reassembled from the raw stream's deltas."""
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "temperature": 0, **body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    content, calls, finish = "", {}, None
+    for e in events:
+        choice = e["choices"][0]
+        content += choice["delta"].get("content") or ""
+        for d in choice["delta"].get("tool_calls") or []:
+            if "id" in d:
+                calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
+            else:
+                calls[d["index"]][1] += d["function"]["arguments"]
+        finish = choice["finish_reason"] or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_tool_calls_cut_by_max_tokens_are_partial_calls_with_finish_reason_length(tools_server, tool_choice):
+    """Cut off by max_tokens, "required" and a named function answer as OpenAI does, streamed or
+    not: `tool_calls` holds the calls as far as they go (the last one's arguments the JSON text so
+    far), content is null, finish_reason is "length" (never "tool_calls")."""
+    base = {"messages": USER, "tools": [WEATHER, TIME], "parallel_tool_calls": False,
+            "tool_choice": NAMED if tool_choice == "named" else tool_choice}
+    full = _post(tools_server, {**base, "max_tokens": 100}).json()
+    assert full["choices"][0]["finish_reason"] == "tool_calls"
+    (whole,) = [(c["function"]["name"], c["function"]["arguments"]) for c in full["choices"][0]["message"]["tool_calls"]]
+    n = full["usage"]["completion_tokens"]
+    partial_seen = False
+    for cut in sorted({1, 2, n // 3, n // 2, 2 * n // 3, n - 2, n - 1}):
+        choice = _post(tools_server, {**base, "max_tokens": cut}).json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, (cut, choice)
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls") or []]
+        assert len(calls) <= 1, (cut, calls)
+        if tool_choice == "named":
+            assert len(calls) == 1  # the name is known before the first argument token
+        for name, arguments in calls:
+            assert name == whole[0] and whole[1].startswith(arguments), (cut, calls, whole)
+            partial_seen = partial_seen or (arguments != whole[1] and len(arguments) > 2)
+        content, streamed, finish = _stream_calls(tools_server, {**base, "max_tokens": cut})
+        assert (content, streamed, finish) == ("", calls, "length"), (cut, streamed, calls)
+    assert partial_seen  # some cut fell inside the arguments: a prefix that is not yet JSON
+
+
+def test_the_official_client_reads_a_cut_off_named_call(tools_client):
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER], tool_choice=NAMED, temperature=0)
+    whole = tools_client.chat.completions.create(max_tokens=100, **kwargs).choices[0].message.tool_calls[0]
+    choice = tools_client.chat.completions.create(max_tokens=6, **kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert whole.function.arguments.startswith(call.function.arguments) and call.function.arguments != whole.function.arguments

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tallyserve.server.tool_parsers import JsonArrayToolParser, get_tool_parser, tool_parser_names
+from tallyserve.server.tool_parsers import JsonArrayToolParser, NamedFunctionParser, get_tool_parser, tool_parser_names
 
 WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2], "note": "a \"quoted\" } brace"}
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
@@ -170,3 +170,26 @@ def test_formats_with_special_tokens_skipped_or_kept(name, text, content):
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": 1}')]
     _, calls = stream(get_tool_parser(name), list(text))
     assert [(n, a) for _, n, a in calls] == [("f", '{"a": 1}')]
+
+
+def test_forced_calls_cut_anywhere_are_the_calls_so_far_whole_and_streamed():
+    """tool_choice "required" / a named function (output held to the calls by a grammar), cut at
+    every point (max_tokens): the calls as far as they go (those with a complete name; the last
+    one's arguments a prefix of its full arguments), never content, marked incomplete; streamed,
+    the deltas reassemble to the same calls."""
+    required = ('[{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) +
+                '}, {"name": "get_time", "parameters": {"tz": "CET"}}]')
+    for make, text in ((JsonArrayToolParser, required), (lambda: NamedFunctionParser("get_weather"), json.dumps(WEATHER))):
+        full = [(c.name, c.arguments) for c in make().extract_tool_calls(text).tool_calls]
+        assert make().extract_tool_calls(text).complete and len(full) in (1, 2)
+        partial = 0
+        for cut in range(len(text)):
+            out = make().extract_tool_calls(text[:cut])
+            calls = [(c.name, c.arguments) for c in out.tool_calls]
+            assert out.content is None and out.tools_called == bool(calls), (cut, out)
+            assert len(calls) <= len(full) and all(n == fn and fa.startswith(a) for (n, a), (fn, fa) in zip(calls, full))
+            content, streamed = stream(make, list(text[:cut]))
+            assert content == "" and [(n, a) for _, n, a in streamed] == calls, cut
+            partial += not out.complete and bool(calls) and calls[-1][1] not in ("", full[len(calls) - 1][1])
+        assert partial > len(text) // 3  # most cuts fall inside some arguments
+    assert not get_tool_parser("hermes")().extract_tool_calls('<tool_call>{"name": "f", "arguments": {"a": ').tools_called

@@ -7,7 +7,13 @@ of a stream always reassemble to the calls and content of the whole text.
 Content is the text before the first call (trailing whitespace dropped when calls follow).
 Arguments are the model's own JSON text of each call's arguments object. Text that is not a
 well-formed call (bad JSON, no name, arguments that are not an object, a call cut off) makes the
-whole output plain content; nothing here raises on model output."""
+whole output plain content; nothing here raises on model output.
+
+Except for a `forced` parser (tool_choice "required" or a named function: a grammar holds the
+output to the calls, so it is never content): an output cut off inside its calls (max_tokens, a
+stop string) gives the calls as far as they go, those whose name is complete, the last one's
+arguments a prefix of a JSON object, and no content; `complete` (whole) or `truncated` (streaming)
+says so, and the caller keeps the engine's finish_reason ("length"), never "tool_calls"."""
 
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class ExtractedToolCalls:
     tools_called: bool
     tool_calls: list[ToolCall]
     content: Optional[str]
+    complete: bool = True  # False: a forced parser's calls, cut off (the last one's arguments partial)
 
 
 @dataclass
@@ -83,11 +90,13 @@ class ToolParser:
     """Subclasses set `name` and implement `parse`."""
 
     name: ClassVar[str] = ""
+    forced: ClassVar[bool] = False  # the output is exactly the calls (grammar-held): cut off, it stays calls
 
     def __init__(self) -> None:
         self._content_sent = 0
         self._calls_sent: list[tuple[str, int]] = []  # (id, argument characters sent)
         self._broken = False
+        self.truncated = False  # streaming, forced: the output ended inside its calls
 
     def parse(self, text: str, final: bool) -> Parse:
         raise NotImplementedError
@@ -101,6 +110,9 @@ class ToolParser:
         except Malformed:
             return plain
         if not p.started or not p.calls or not all(c.complete for c in p.calls):
+            if self.forced and p.started:  # cut off: the calls so far (named ones), never content
+                calls = [ToolCall(c.name, c.arguments(text)) for c in p.calls if c.name is not None]
+                return ExtractedToolCalls(bool(calls), calls, None, complete=False)
             return plain
         calls = [ToolCall(c.name, c.arguments(text)) for c in p.calls]
         if not all(_is_object(c.arguments) for c in calls):
@@ -125,8 +137,10 @@ class ToolParser:
         try:
             p = self.parse(text, final=finished)
             if finished and p.started and not (p.calls and all(c.complete for c in p.calls)):
-                raise Malformed("the output ends inside a call")
-            if finished and not all(_is_object(c.arguments(text)) for c in p.calls):
+                if not self.forced:
+                    raise Malformed("the output ends inside a call")
+                self.truncated = True  # the calls as far as they go: the rest of their arguments below
+            elif finished and not all(_is_object(c.arguments(text)) for c in p.calls):
                 raise Malformed("arguments are not a JSON object")
         except Malformed:
             self._broken = True

@@ -110,6 +110,7 @@ class JsonArrayToolParser(ToolParser):
     """The output is exactly a JSON array of calls (tool_choice "required", forced by a grammar)."""
 
     name = "json_array"
+    forced = True
 
     def parse(self, text: str, final: bool) -> Parse:
         return parse_call_array(text, skip_ws(text, 0), final, Parse(0, started=True))
@@ -120,6 +121,7 @@ class NamedFunctionParser(ToolParser):
     forced by a grammar): one call, announced before its first character arrives."""
 
     name = "named_function"
+    forced = True
 
     def __init__(self, function_name: str) -> None:
         super().__init__()
