@@ -102,8 +102,10 @@ def test_named_output_becomes_one_call_announced_at_once():
     _, first = ChoiceTools(plan).delta("", False)
     assert first[0].function.name == "a" and first[0].id.startswith("call_")  # before any argument text
     assert _stream(ChoiceTools(plan), ' {"x": 2} ') == ("", [("a", '{"x": 2}')])
-    # cut off by max_tokens: not a call, the text comes back as content
-    assert ChoiceTools(plan).whole('{"x": ', "length") == ('{"x": ', None, "length")
+    # cut off by max_tokens: the partial call comes back as OpenAI sends it (arguments cut, finish "length")
+    content, calls, finish = ChoiceTools(plan).whole('{"x": ', "length")
+    assert content is None and finish == "length"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("a", '{"x": ')]
 
 
 def test_auto_output_through_the_hermes_parser():
