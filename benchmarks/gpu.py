@@ -131,7 +131,7 @@ def _attention_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, shared
 def _check_attention(name, reqs, dtype=torch.bfloat16, tol=1.5e-2, num_padding=4, shared_blocks=0) -> dict:
     from tallyserve.attention import torch_ref
     from tallyserve.attention.triton_attn import paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, dtype, num_padding=num_padding,
                                            shared_blocks=shared_blocks)
@@ -247,7 +247,7 @@ def run_tune() -> dict:
     (contexts 1-2k: KV bandwidth), decode at batch 1 (8k context: split-K), and prefill of 8192
     fresh tokens (8 x 1024: TFLOP/s)."""
     from tallyserve.attention.triton_attn import KernelConfig, paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     def sweep(reqs, configs, unit):
         q, k, v, cache, meta = _attention_case(reqs, 32, 8, 128, 16, torch.bfloat16, num_padding=0)
@@ -289,7 +289,7 @@ def run_cascade_tune() -> dict:
     as the shared workload's decode steps (128 requests, 2048 shared tokens, 64-160 own), a full
     batch over a shorter prefix, and a small batch."""
     from tallyserve.attention.triton_attn import KernelConfig, paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     rng = np.random.default_rng(7)
     res = {}

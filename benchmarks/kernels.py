@@ -47,7 +47,7 @@ For each batch size it prints the step wall time, the GPU busy time per step (un
 intervals: what is left is idle, waiting for the host) and the kernels by total time, grouped by
 name. With $OUT set, the numbers are written to $OUT/kernel_profile.json."""
 
-GEMV_DOC = """One-row projections on the GPU: cuBLAS against tallyserve's Triton GEMV (models/gemv.py), with and without
+GEMV_DOC = """One-row projections on the GPU: cuBLAS against tallyserve's Triton GEMV (kernels/gemv.py), with and without
 programmatic dependent launch, over a model preset's per-layer weights.
 
     python benchmarks/kernels.py gemv [--model llama-3-8b] [--layers 32]
@@ -295,7 +295,7 @@ def cmd_gemv(argv: list[str], prog: str) -> int:
     if not torch.cuda.is_available() or triton is None:
         print("no CUDA device (or no Triton): nothing to measure")
         return 0
-    from tallyserve.models import fused_ops, gemv
+    from tallyserve.kernels import fused_ops, gemv
 
     cfg = json.loads((REPO / "tallyserve/model_configs" / f"{args.model}.json").read_text())
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], args.layers
@@ -522,7 +522,7 @@ def cmd_cpu_amx_attention(argv: list[str], prog: str) -> int:
     ap.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from tallyserve.attention import cpu_kernels
+    from tallyserve.kernels import cpu_kernels
 
     if not cpu_kernels.load() or not torch.ops.tallyserve_cpu.amx_usable():
         print("no AMX path here (no AMX-BF16, or the CPU kernels could not be built): nothing to compare")

@@ -5,7 +5,7 @@ the tests of test_cpu_kernel_errors.py and the ValueError tests beside these sho
 
 import pytest
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 
 RAW_THROW = pytest.mark.skipif(
     not (cpu_kernels.load() and cpu_kernels.errors_cross()),

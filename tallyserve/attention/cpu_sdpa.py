@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 from tallyserve.attention.torch_ref import write_kv_cache

@@ -19,9 +19,9 @@ import triton
 
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
-from tallyserve.attention.triton_cache import write_kv_cache
-from tallyserve.models import pdl
-from tallyserve.attention.triton_kernels import (
+from tallyserve.kernels.kv_cache_write import write_kv_cache
+from tallyserve.kernels import pdl
+from tallyserve.kernels.paged_attention import (
     LOG2E, MAX_HEAD_DIM, _cascade_prefix_kernel, _decode_kernel, _prefill_kernel, _reduce_kernel,
 )
 

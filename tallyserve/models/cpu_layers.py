@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.backend import check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.models import cpu_products, layers

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tallyserve.distributed import parallel_state
-from tallyserve.models import gemv
+from tallyserve.kernels import gemv
 from tallyserve.models.cpu_products import CPU_GEMV_MAX_ROWS, cpu_gemv_serves
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -344,7 +344,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            from tallyserve.models.fused_ops import silu_mul
+            from tallyserve.kernels.fused_ops import silu_mul
 
             rows = x.shape[0]
             piece = CPU_MLP_CHUNK_ROWS_BF16 if self.gate_up_weight.dtype == torch.bfloat16 else CPU_MLP_CHUNK_ROWS

@@ -31,7 +31,8 @@ from torch import nn
 from tallyserve.attention.backend import AttentionBackend, check_attention_inputs, get_kv_cache_shape
 from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 from tallyserve.distributed import parallel_state
-from tallyserve.models import cpu_layers, fused_ops
+from tallyserve.models import cpu_layers
+from tallyserve.kernels import fused_ops
 from tallyserve.models.cpu_products import pack_cpu_weight, pack_sgemm_weight
 from tallyserve.models.layers import (
     ColumnParallelLinear,

@@ -189,7 +189,7 @@ def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
     ``TALLYSERVE_CPU_TASK_POOL=0``."""
     if getattr(model, "cpu_products", None) != "sgemm" or os.environ.get("TALLYSERVE_CPU_TASK_POOL", "1") == "0":
         return None
-    from tallyserve.attention import cpu_kernels
+    from tallyserve.kernels import cpu_kernels
 
     return cpu_kernels.set_task_pool_threads if cpu_kernels.load() else None
 

@@ -42,7 +42,7 @@ def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[-1] > 0:
-        from tallyserve.attention import cpu_kernels
+        from tallyserve.kernels import cpu_kernels
 
         if cpu_kernels.load():
             return torch.ops.tallyserve_cpu.argmax_rows(logits)

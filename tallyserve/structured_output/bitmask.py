@@ -96,7 +96,7 @@ def apply_grammar_bitmask(so: "SchedulerOutput", logits: torch.Tensor, raw: Opti
     if raw is not None and logits is raw:
         logits = logits.clone()
     index = host_tensor(rows, logits.device)
-    from tallyserve.structured_output import bitmask_kernel
+    from tallyserve.kernels import logits_mask as bitmask_kernel
 
     if bitmask_kernel.available(logits):  # one kernel, in place on the grammar rows
         return bitmask_kernel.mask_logits_rows_(logits, _upload(gb.bitmask, logits.device), index)

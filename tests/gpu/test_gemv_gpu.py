@@ -1,4 +1,4 @@
-"""The one-row projection kernel (models/gemv.py) on the GPU: Llama-3-8B's projections against a float64
+"""The one-row projection kernel (kernels/gemv.py) on the GPU: Llama-3-8B's projections against a float64
 reference and cuBLAS, and a chain of add + RMSNorm and projections launched with programmatic dependent
 launch inside a CUDA graph, bit-identical to the same chain launched plainly (a projection that read
 its input before the kernel that writes it had finished would differ). Skipped without CUDA."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tallyserve.models import fused_ops, gemv, pdl
+from tallyserve.kernels import fused_ops, gemv, pdl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda")

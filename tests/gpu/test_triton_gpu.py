@@ -79,7 +79,7 @@ def make_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, num_blocks=N
 def check_case(reqs, hq, hkv, dim, bs, dtype, seed=0, num_padding=0, config=None, shared_blocks=0):
     from tallyserve.attention import torch_ref
     from tallyserve.attention.triton_attn import KernelConfig, paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     q, k, v, cache, meta = make_case(reqs, hq, hkv, dim, bs, dtype, seed, num_padding, shared_blocks=shared_blocks)
     scale = dim ** -0.5
@@ -133,7 +133,7 @@ def test_cascade_decode_over_shared_prefix(num_reqs, prefix_blocks, own, dtype):
     import dataclasses
 
     from tallyserve.attention.triton_attn import paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     rng = random.Random(num_reqs)
     reqs = [(prefix_blocks * 16 + rng.randint(0, own - 1), 1) for _ in range(num_reqs)]
@@ -166,7 +166,7 @@ def test_rotary_kv_write_kernel_matches_the_rotary_kernels(qk_norm, tokens):
     bf16 rounding (the compiler may contract a product and a sum into one FMA in one kernel and not in the
     other, and sum a head's squares in another order; the interpreter test compares bits), v bit-equal; the
     cache holds exactly the k and v the kernel left in qkv, at the real rows' slots, and nothing else changed."""
-    from tallyserve.models import fused_ops
+    from tallyserve.kernels import fused_ops
 
     g = torch.Generator(device=DEV).manual_seed(tokens)
     hq, hkv, d = 32, 8, 128

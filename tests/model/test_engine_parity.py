@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tallyserve import LLM, SamplingParams
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tests.tiny_models import load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tests.unit.test_attention_ref import make_case
 
 OPS = torch.ops.tallyserve_cpu if cpu_kernels.load() else None

@@ -1,5 +1,5 @@
-"""The grammar bitmask on the CPU (``mask_logits_rows_`` in attention/csrc/fused_ops_cpu.cpp, reached through
-structured_output/bitmask_kernel.py): the same masking as the operator chain it replaces, on grammar rows
+"""The grammar bitmask on the CPU (``mask_logits_rows_`` in kernels/csrc/fused_ops_cpu.cpp, reached through
+kernels/logits_mask.py): the same masking as the operator chain it replaces, on grammar rows
 anywhere in the step, all-allowed and all-forbidden words, bit 31, words narrower than the vocabulary; rows
 without a grammar untouched; bad indices refused before anything is written."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tallyserve.attention import cpu_kernels
-from tallyserve.structured_output import bitmask_kernel
+from tallyserve.kernels import cpu_kernels
+from tallyserve.kernels import logits_mask as bitmask_kernel
 from tallyserve.structured_output.bitmask import allowed_from_bitmask
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")

@@ -1,4 +1,4 @@
-"""The one-kernel grammar bitmask (structured_output/bitmask_kernel.py) under Triton's interpreter, against the
+"""The one-kernel grammar bitmask (kernels/logits_mask.py) under Triton's interpreter, against the
 operator-chain path it replaces on a GPU: grammar rows anywhere in the step, bit 31 of a word, a bitmask narrower
 than the logits (tokens past it are forbidden), rows without a grammar untouched. One subprocess, since Triton
 reads TRITON_INTERPRET when a kernel is decorated."""
@@ -16,7 +16,7 @@ if interpreter_too_old(triton):
 
 WORKER = r'''
 import json, torch
-from tallyserve.structured_output import bitmask_kernel
+from tallyserve.kernels import logits_mask as bitmask_kernel
 from tallyserve.structured_output.bitmask import allowed_from_bitmask, mask_rows
 res = {}
 g = torch.Generator().manual_seed(0)

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tallyserve.attention import cpu_kernels, cpu_sdpa
+from tallyserve.attention import cpu_sdpa
+from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
-from tallyserve.models import cpu_layers, cpu_products, fused_ops
+from tallyserve.models import cpu_layers, cpu_products
+from tallyserve.kernels import fused_ops
 from tallyserve.runner import cpu_threads
 from tallyserve.runner.sampler import greedy_token_ids
-from tallyserve.structured_output import bitmask_kernel
+from tallyserve.kernels import logits_mask as bitmask_kernel
 from tests.unit.test_attention_ref import dense_causal_attention, make_case
 
 KERNEL = cpu_kernels.load()
@@ -115,7 +117,7 @@ def test_bad_block_id_on_a_model_step_is_a_value_error(tmp_path, monkeypatch, co
 _SUBPROCESS = r"""
 import dataclasses, sys
 import torch
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 from tests.unit.test_attention_ref import make_case
 

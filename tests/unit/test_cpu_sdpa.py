@@ -14,7 +14,7 @@ import torch
 import tallyserve.attention.cpu_sdpa as cpu_sdpa
 from tallyserve.attention.backend import get_attn_backend
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tests.kernel_errors import RAW_THROW
 from tests.unit.test_attention_ref import dense_causal_attention, make_case
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tests.kernel_errors import RAW_THROW
 from tests.tiny_models import make_tiny_model
 

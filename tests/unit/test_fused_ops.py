@@ -1,4 +1,4 @@
-"""The fused GPU kernels (models/fused_ops.py) on the CPU under Triton's interpreter: each kernel
+"""The fused GPU kernels (kernels/fused_ops.py) on the CPU under Triton's interpreter: each kernel
 against its torch reference, and a whole tiny model through the fused path against the plain one
 (prefill, chunked prefill and decode over a paged cache). Runs in one subprocess, since Triton reads
 TRITON_INTERPRET when a kernel is decorated."""
@@ -17,7 +17,7 @@ if interpreter_too_old(triton):
 WORKER = r'''
 import json, sys, tempfile
 import torch
-from tallyserve.models import fused_ops
+from tallyserve.kernels import fused_ops
 from tallyserve.models.layers import RMSNorm, apply_rotary
 from tallyserve.models.loader import load_model, resolve_model
 from tests.tiny_models import PagedKV, make_tiny_model

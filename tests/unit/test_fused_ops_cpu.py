@@ -1,4 +1,4 @@
-"""The compiled CPU fused operators (attention/csrc/fused_ops_cpu.cpp) behind models/fused_ops.py on the CPU:
+"""The compiled CPU fused operators (kernels/csrc/fused_ops_cpu.cpp) behind kernels/fused_ops.py on the CPU:
 each against its PyTorch reference expression, the KV-cache write, the OpenMP worker release, and whole tiny
 models through the fused path against the plain one (and against transformers, greedy)."""
 
@@ -16,10 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 
-from tallyserve.attention import cpu_kernels, cpu_sdpa
+from tallyserve.attention import cpu_sdpa
+from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 from tallyserve.attention.torch_ref import write_kv_cache
-from tallyserve.models import cpu_layers, fused_ops
+from tallyserve.models import cpu_layers
+from tallyserve.kernels import fused_ops
 from tallyserve.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from tallyserve.models.loader import load_model, resolve_model
 from tests.kernel_errors import RAW_THROW

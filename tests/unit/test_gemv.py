@@ -1,4 +1,4 @@
-"""The one-row projection kernel (models/gemv.py) on the CPU under Triton's interpreter: products
+"""The one-row projection kernel (kernels/gemv.py) on the CPU under Triton's interpreter: products
 against a float64 reference (uneven K, a partial last block of outputs, the wide-output tiles), the
 fused SiLU-and-multiply input against ``fused_ops.silu_mul`` then the product, and a tiny bfloat16
 model whose one-row steps go through the kernel against the same model with it turned off. Runs in
@@ -21,7 +21,7 @@ SHAPES = [(37, 96), (64, 256), (16392, 64), (40, 2048)]  # (N, K)
 WORKER = r'''
 import json, os, tempfile
 import torch
-from tallyserve.models import fused_ops, gemv
+from tallyserve.kernels import fused_ops, gemv
 from tallyserve.models.loader import load_model, resolve_model
 from tests.tiny_models import PagedKV, make_tiny_model
 
@@ -124,7 +124,7 @@ def test_tiny_bf16_model_one_row_steps_go_through_the_kernel(results):
 
 
 def test_dependent_launch_only_on_nvidia_gpus_and_not_when_switched_off(monkeypatch):
-    from tallyserve.models import pdl
+    from tallyserve.kernels import pdl
 
     monkeypatch.setattr(pdl, "_GDC", True)
     monkeypatch.setattr(pdl, "_by_device", {0: True})  # as if device 0 were a Hopper GPU
@@ -145,7 +145,7 @@ def test_dependent_launch_only_on_nvidia_gpus_and_not_when_switched_off(monkeypa
 
 def test_forced_tiles_apply_to_their_exact_shapes_only_and_typos_are_errors(monkeypatch):
     pytest.importorskip("triton")
-    from tallyserve.models import gemv
+    from tallyserve.kernels import gemv
 
     monkeypatch.delenv("TALLYSERVE_GEMV_TILES", raising=False)
     default_down, default_o = gemv._config(4096, 12288), gemv._config(4096, 4096)
@@ -163,7 +163,7 @@ def test_forced_tiles_apply_to_their_exact_shapes_only_and_typos_are_errors(monk
 
 def test_swept_tiles_per_preset_shape():
     pytest.importorskip("triton")
-    from tallyserve.models import gemv
+    from tallyserve.kernels import gemv
 
     # the H200 sweeps' winners: Qwen3-8B's gate/up, Llama-3-8B's gate/up, down up to 4096 outputs, Nemo's down
     assert gemv._config(24576, 4096) == (16, 512, 4)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tallyserve.attention import cpu_kernels
+from tallyserve.kernels import cpu_kernels
 from tallyserve.models import cpu_products, layers
 from tests.kernel_errors import RAW_THROW
 

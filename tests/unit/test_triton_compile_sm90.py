@@ -50,7 +50,7 @@ HEADS = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, PREC="tf32")
 @pytest.mark.parametrize("cascade", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_kernel_compiles(cascade, split):
-    from tallyserve.attention.triton_kernels import _decode_kernel
+    from tallyserve.kernels.paged_attention import _decode_kernel
 
     ptx = _compile(_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=split, CASCADE=cascade, **HEADS))
     assert "_decode_kernel" in ptx
@@ -59,7 +59,7 @@ def test_decode_kernel_compiles(cascade, split):
 @pytest.mark.parametrize("group,head_dim,d_pad,block_m,block_n", [(4, 128, 128, 64, 64), (3, 80, 128, 64, 32),
                                                                   (8, 64, 64, 128, 64)])
 def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n):
-    from tallyserve.attention.triton_kernels import _cascade_prefix_kernel
+    from tallyserve.kernels.paged_attention import _cascade_prefix_kernel
 
     ptx = _compile(_cascade_prefix_kernel, dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16,
                                                 BLOCK_M=block_m, BLOCK_N=block_n, PREC="tf32"))
@@ -67,7 +67,7 @@ def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n
 
 
 def test_prefill_and_reduce_kernels_compile():
-    from tallyserve.attention.triton_kernels import _prefill_kernel, _reduce_kernel
+    from tallyserve.kernels.paged_attention import _prefill_kernel, _reduce_kernel
 
     assert "_prefill_kernel" in _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32,
                                                                SKIP_DECODE=True, **HEADS))
@@ -76,8 +76,8 @@ def test_prefill_and_reduce_kernels_compile():
 
 @pytest.mark.parametrize("silu_mul,even_k", [(False, True), (True, True), (False, False)])
 def test_gemv_kernel_compiles_with_dependent_launch(silu_mul, even_k):
-    from tallyserve.models import pdl
-    from tallyserve.models.gemv import _gemv_kernel
+    from tallyserve.kernels import pdl
+    from tallyserve.kernels.gemv import _gemv_kernel
 
     if not pdl._GDC:
         pytest.skip("this Triton has no grid dependency control")
@@ -90,10 +90,10 @@ def test_gemv_kernel_compiles_with_dependent_launch(silu_mul, even_k):
 
 
 def test_the_other_decode_kernels_are_dependent_launches():
-    from tallyserve.attention.triton_cache import _write_kv_kernel
-    from tallyserve.attention.triton_kernels import _decode_kernel, _reduce_kernel
-    from tallyserve.models import pdl
-    from tallyserve.models.fused_ops import (
+    from tallyserve.kernels.kv_cache_write import _write_kv_kernel
+    from tallyserve.kernels.paged_attention import _decode_kernel, _reduce_kernel
+    from tallyserve.kernels import pdl
+    from tallyserve.kernels.fused_ops import (
         _add_rms_norm_kernel, _qk_norm_rotary_kernel, _rotary_kernel, _rotary_write_kv_kernel,
     )
 

@@ -177,7 +177,7 @@ def _run_case(name):
 
     from tallyserve.attention import torch_ref
     from tallyserve.attention.triton_attn import KernelConfig, TritonAttentionBackend, paged_attention
-    from tallyserve.attention.triton_cache import write_kv_cache
+    from tallyserve.kernels.kv_cache_write import write_kv_cache
 
     spec = CASES[name]
     q, k, v, cache, meta = _make_case(spec, seed=sorted(CASES).index(name))

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tallyserve.models import pdl
+from tallyserve.kernels import pdl
 
 # Elements of one (Hkv * D) row a program copies; a wider row is split over grid axis 1.
 _MAX_ROW_BLOCK = 2048

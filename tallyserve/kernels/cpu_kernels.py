@@ -1,6 +1,6 @@
 """tallyserve's compiled CPU kernels (`csrc/`), built once per machine with the local C++ compiler.
 
-`make install` builds them (`python -m tallyserve.attention.cpu_kernels`); otherwise the first use
+`make install` builds them (`python -m tallyserve.kernels.cpu_kernels`); otherwise the first use
 builds them (about half a minute) into PyTorch's extension cache. Without a compiler, or if the build
 fails, `load()` returns False once, with a logged warning, and callers keep their PyTorch paths.
 `TALLYSERVE_CPU_KERNELS=0` turns them off.

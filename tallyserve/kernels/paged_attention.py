@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tallyserve.models import pdl
+from tallyserve.kernels import pdl
 
 LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a fully masked tile gives exp2(-inf) = 0, not NaN
@@ -179,7 +179,7 @@ def _decode_kernel(
     """Keys [kv_start, seq_len) of one decode request and KV head, split ``num_splits`` ways. With
     CASCADE, kv_start is the shared prefix length (``_cascade_prefix_kernel`` attends the keys below
     it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has. ``PDL``:
-    a dependent launch (models/pdl.py). ``HEADS_FIRST``: the grid is (KV heads, requests, splits), so
+    a dependent launch (kernels/pdl.py). ``HEADS_FIRST``: the grid is (KV heads, requests, splits), so
     programs that run together read the KV heads of one request (one cache row holds them side by side);
     else (requests, KV heads, splits)."""
     pdl.enter(PDL)
@@ -269,7 +269,7 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge the splits of one (decode request, query head): weights exp2(lse_s - max lse). ``PDL``: a
-    dependent launch (models/pdl.py)."""
+    dependent launch (kernels/pdl.py)."""
     pdl.enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)

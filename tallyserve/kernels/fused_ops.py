@@ -5,7 +5,7 @@ kernels per layer (about 1,000 launches per decode step on an 8B model) and roun
 dtype where the torch reference in layers.py rounds, so the two paths agree within an ulp.
 
 On CUDA they are Triton kernels; on the CPU (float32) they are the compiled operators of
-``attention/csrc/fused_ops_cpu.cpp`` (a one-sequence decode step spent about a third of its time outside
+``kernels/csrc/fused_ops_cpu.cpp`` (a one-sequence decode step spent about a third of its time outside
 the matmuls in these small operators); SiLU-and-multiply stays PyTorch's there.
 ``TALLYSERVE_FUSED_KERNELS=0`` turns both off; under ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels in the interpreter (their tests).
 """
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from tallyserve.models import pdl
+from tallyserve.kernels import pdl
 
 try:
     import triton
@@ -41,7 +41,7 @@ def available(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool
     if device.type == "cuda" or _interpret():
         return triton is not None
     if device.type == "cpu" and dtype in (None, torch.float32):
-        from tallyserve.attention import cpu_kernels
+        from tallyserve.kernels import cpu_kernels
 
         return cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "add_rms_norm")
     return False
@@ -52,7 +52,7 @@ def _on_cpu(x: torch.Tensor) -> bool:
 
 
 # The CPU operators' arguments, checked before the call: a bad one is a ValueError here, never the operator's own
-# TORCH_CHECK (an exception from a compiled kernel ends the process on some hosts, see attention/cpu_kernels.py).
+# TORCH_CHECK (an exception from a compiled kernel ends the process on some hosts, see kernels/cpu_kernels.py).
 # A few attribute reads per call (about a microsecond).
 _F32 = torch.float32
 

@@ -4,7 +4,7 @@
 ``t % 32`` of ``words[k, t // 32]`` is clear (tokens past the words' width are masked too). It replaces the
 index_select / unpack / masked_fill / index_copy chain (about ten operators, ~0.6 ms of host time per
 step at 256 rows): structured steps on a GPU are bound by host time, which this is part of. On the CPU
-the same job is ``torch.ops.tallyserve_cpu.mask_logits_rows_`` (``attention/csrc/fused_ops_cpu.cpp``):
+the same job is ``torch.ops.tallyserve_cpu.mask_logits_rows_`` (``kernels/csrc/fused_ops_cpu.cpp``):
 xgrammar's CPU masking unpacks the words with tensor operators, 15 ms per step of 64 rows over a
 49k vocabulary, against well under one millisecond.
 """
@@ -35,7 +35,7 @@ def available(logits: torch.Tensor) -> bool:
 
 
 def _cpu_kernels() -> bool:
-    from tallyserve.attention import cpu_kernels
+    from tallyserve.kernels import cpu_kernels
 
     return cpu_kernels.load()
 
@@ -68,10 +68,10 @@ def mask_logits_rows_(logits: torch.Tensor, words: torch.Tensor, rows: torch.Ten
         return logits
     if logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # what the operator's checks refuse, as ValueError here (an error from a compiled kernel is unsafe on some
-        # hosts, see attention/cpu_kernels.py); one min/max of the indices
+        # hosts, see kernels/cpu_kernels.py); one min/max of the indices
         if logits.dtype != torch.float32 or words.device.type != "cpu":
             raise ValueError("the CPU bitmask takes float32 logits and CPU words")
-        from tallyserve.attention import cpu_kernels
+        from tallyserve.kernels import cpu_kernels
 
         lo, hi = cpu_kernels.int_bounds(rows)
         if lo < 0 or hi >= logits.shape[0]:

@@ -1,4 +1,4 @@
-// tallyserve CPU fused operators (float32): the CPU side of models/fused_ops.py and of the KV-cache write.
+// tallyserve CPU fused operators (float32): the CPU side of kernels/fused_ops.py and of the KV-cache write.
 //
 // A decode step of one sequence runs a few dozen small operators per layer; as separate PyTorch operators
 // each costs a dispatch, an allocation and a pass over memory. These do each job in one pass:

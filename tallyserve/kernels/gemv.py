@@ -11,7 +11,7 @@ summation order.
 Two things cut the gaps between kernels:
   * ``silu_mul_input``: the MLP's down projection reads ``[gate | up]`` and applies SiLU-and-multiply
     while loading its input (rounded where ``fused_ops.silu_mul`` rounds), one kernel fewer per layer.
-  * Programmatic dependent launch (Hopper and later, ``models/pdl.py``): the GEMV is launched as a
+  * Programmatic dependent launch (Hopper and later, ``kernels/pdl.py``): the GEMV is launched as a
     dependent of the kernel before it, loads its first weight tile (weights never depend on an earlier
     kernel), and only then waits for that kernel before reading its input. The other Triton kernels of
     the step are dependent launches too and signal the next kernel as they start, so the weight stream
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from tallyserve.models import pdl
+from tallyserve.kernels import pdl
 
 try:
     import triton
