@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test fuzz install clean
+.PHONY: run test lint fuzz install clean
 
 $(STAMP): pyproject.toml requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ run: $(STAMP)
 	@echo "       -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'"
 	$(BIN)/tallyserve serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check --no-cache tallyserve tests benchmarks
+	$(BIN)/lint-imports --no-cache
 
 fuzz: $(STAMP)
 	TALLYSERVE_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q -p no:cacheprovider tests/unit tests/sim -k hypothesis

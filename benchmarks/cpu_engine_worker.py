@@ -2,7 +2,8 @@
 
     python cpu_engine_worker.py ENGINE --prompts prompts.json --out result.json --threads 2 [--model-dir DIR]
 
-ENGINE is tallyserve, transformers or vllm (float32), or tallyserve-bf16 or vllm-bf16. The prompts file holds W's token id lists; the result file gets
+ENGINE is tallyserve, transformers or vllm (float32), or tallyserve-bf16 or vllm-bf16. The prompts file holds W's
+token id lists; the result file gets
 ``{"engine", "time_s", "load_s", "outputs", "version", "threads", "settings"}``. Every engine first answers two short
 warm-up prompts; only the timed call that submits all of W at once (greedy, EOS ignored) counts. This file
 imports nothing from the repo: it also runs in vLLM's virtualenv.

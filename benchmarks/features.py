@@ -227,7 +227,7 @@ def cmd_structured_fill(argv: list[str], prog: str) -> int:
     from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
     from tallyserve.models.loader import resolve_model
     from tallyserve.request import Request
-    from tallyserve.structured_output.bitmask import allowed_from_bitmask
+    from tallyserve.runner.grammar_mask import allowed_from_bitmask
     from tallyserve.structured_output.manager import StructuredOutputManager
     from tallyserve.tokenizer import load_tokenizer
 

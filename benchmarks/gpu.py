@@ -63,12 +63,12 @@ def bench_micro() -> dict:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    mm_ms = _median_ms(lambda: a @ b)
+    mm_ms = _median_ms(lambda: a @ b)  # noqa: F821 - pyflakes reads the del below as before the call
     del a, b
     nbytes = 4 << 30
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    cp_ms = _median_ms(lambda: dst.copy_(src))
+    cp_ms = _median_ms(lambda: dst.copy_(src))  # noqa: F821 - as above
     del src, dst
     torch.cuda.empty_cache()
     return {
@@ -358,7 +358,8 @@ def _table(results: dict) -> str:
                          f" (median {g['median_ms']:.1f} ms, {g['mean_reqs']:.0f} reqs)")
         lat = r.get("latency_ms") or {}
         if "itl_p99" in lat:
-            line += f"; TTFT p50/p99 {lat['ttft_p50']:.0f}/{lat['ttft_p99']:.0f} ms, ITL p50/p99 {lat['itl_p50']:.1f}/{lat['itl_p99']:.1f} ms"
+            line += (f"; TTFT p50/p99 {lat['ttft_p50']:.0f}/{lat['ttft_p99']:.0f} ms, "
+                     f"ITL p50/p99 {lat['itl_p50']:.1f}/{lat['itl_p99']:.1f} ms")
         if r.get("triton_compiles"):
             line += f"; {len(r['triton_compiles'])} Triton compiles inside the run"
         if r.get("timed_out"):

@@ -120,7 +120,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
 
     runner._forward = traced
     token_times: dict = {}  # request -> when each of its tokens reached the output (as a stream would send it)
-    emit = engine._emit_tokens
+    emit = engine.output.emit
 
     def timed_emit(seq, samples):
         before_n = seq.num_emitted
@@ -128,7 +128,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
         now = time.perf_counter()
         token_times.setdefault(seq.request.request_id, []).extend([now] * (seq.num_emitted - before_n))
 
-    engine._emit_tokens = timed_emit
+    engine.output.emit = timed_emit
     # The engine's own loops (LLM.generate, the async server) step with the heap frozen
     # (engine/gc_heap.py): a full collection walking the engine's long-lived objects stalls the host
     # 150-270 ms (two such stalls in the H200 run of s12: one delayed 11 requests' first tokens by
@@ -153,7 +153,7 @@ def run_requests(engine, prompts, max_tokens: int, deadline: float, tag: str, re
     out_tokens, timed_out = out_tokens_box[0], timed_out_box[0]
     wall = time.perf_counter() - start
     del runner._forward  # the method again
-    del engine._emit_tokens
+    del engine.output.emit
     if steps is not None:
         steps.stop()
     prompt_tokens = sum(len(p) for p in prompts)

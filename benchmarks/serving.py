@@ -156,7 +156,7 @@ def overhead_offline_worker(args) -> int:
     from tallyserve.cli import build_parser
 
     ns = build_parser().parse_args(["serve", *_overhead_engine_flags(args)])
-    from tallyserve.cli import engine_args_from
+    from tallyserve.config.args import engine_args_from
 
     llm = LLM(**{k: v for k, v in vars(engine_args_from(ns)).items()})
     trace = [json.loads(line) for line in Path(args.trace).read_text().splitlines()]
@@ -574,7 +574,7 @@ def _transfer_worker(role: str, conn, shape, dtype_name: str, device: str, engin
 
     from tallyserve.core.sched_output import RemoteKVLoad
     from tallyserve.distributed.kv_transfer.base import KVConnectorMetadata
-    from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+    from tallyserve.config.kv_transfer import KVTransferConfig
     from tallyserve.distributed.kv_transfer.nixl_connector import NixlConnectorWorker
 
     layers, blocks, block_size, heads, head_dim = shape

@@ -20,4 +20,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tallyserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput",
+           "CompletionOutput", "EngineArgs", "__version__"]

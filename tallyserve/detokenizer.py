@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""
         skip = params.skip_special_tokens
         self._stream = tokenizer.decode_stream(skip) if tokenizer is not None else None
-        self._backend = tokenizer._backend if tokenizer is not None else None
+        self._backend = tokenizer.backend if tokenizer is not None else None
         self._byte_ids = tokenizer.byte_token_ids if tokenizer is not None else frozenset()
 
     @property

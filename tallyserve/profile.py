@@ -253,7 +253,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    from tallyserve.cli import engine_args_from
+    from tallyserve.config.args import engine_args_from
     from tallyserve.engine.llm_engine import LLMEngine
 
     if ns.repeats < 1:
@@ -269,7 +269,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from tallyserve.cli import add_engine_args
+    from tallyserve.config.args import add_engine_args
 
     p = sub.add_parser("profile", help="measure step times over a grid for `simulate --hardware PROFILE.json`",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

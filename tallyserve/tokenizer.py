@@ -63,7 +63,8 @@ class Tokenizer:
         self.hf = hf_tokenizer
         backend = getattr(hf_tokenizer, "_tokenizer", None)
         # The Rust `tokenizers.Tokenizer` decodes without Python overhead when available.
-        self._backend = backend if hasattr(backend, "decode") and hasattr(backend, "get_vocab_size") else None
+        # the `tokenizers` object behind a fast tokenizer (None otherwise): the detokenizer decodes with it directly
+        self.backend = backend if hasattr(backend, "decode") and hasattr(backend, "get_vocab_size") else None
         self.eos_token_id: Optional[int] = hf_tokenizer.eos_token_id
         self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)  # includes added tokens
@@ -75,7 +76,7 @@ class Tokenizer:
             i for token, i in hf_tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)
         )
         # Incremental decoding in one Rust call per step, where it is exact (not with byte tokens).
-        self._stream_class = _decode_stream_class(self._backend) if not self.byte_token_ids else None
+        self._stream_class = _decode_stream_class(self.backend) if not self.byte_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -84,8 +85,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 from tallyserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
-from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+from tallyserve.config.kv_transfer import KVTransferConfig
 from tallyserve.request import RequestStatus
 
 

@@ -4,7 +4,8 @@ every chunk whose last row sees at most FAST_ROWS_MAX_KEYS keys read K/V in plac
 kernel's flash path for chunks); a longer chunk that is its request's whole context attends its own fresh K/V
 with the fused causal SDPA (rounded to the cache's dtype first, so it attends what later rows read), and a longer
 chunk over a cached prefix takes two fused SDPA passes. Without the kernel (no compiler, half-precision queries):
-whole KV blocks gathered with one `index_select` per request (or per batch of decode rows) and PyTorch's fused `scaled_dot_product_attention` (grouped-query heads without
+whole KV blocks gathered with one `index_select` per request (or per batch of decode rows) and PyTorch's fused
+`scaled_dot_product_attention` (grouped-query heads without
 repeating K/V), instead of the reference's per-position gathers and einsums, which spend most of
 their time in index and copy kernels. Computes in float32 like the reference (`torch_ref.py`), which
 the tests compare it with; the default backend on the CPU.

@@ -10,7 +10,6 @@ captured in a CUDA graph (capture with ``max_seq_len`` set to the capture-time b
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -213,12 +212,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cascade = True  # reads AttentionMetadata.common_prefix_len / prefix_kv_lens
 
     def __init__(self, config: Optional[KernelConfig] = None) -> None:
-        if config is None:
-            config = KernelConfig()
-            heads_first = os.environ.get("TALLYSERVE_DECODE_HEADS_FIRST")  # benchmarks' A/B of the decode grid
-            if heads_first is not None:
-                config = dataclasses.replace(config, decode_heads_first=heads_first != "0")
-        self.config = config
+        self.config = config if config is not None else KernelConfig()
 
     def forward(
         self,

@@ -9,12 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
+import torch
+
 from tallyserve.core.kv_cache_manager import KVTransfers
 
 if TYPE_CHECKING:
     from tallyserve.request import Request
     from tallyserve.sampling_params import SamplingParams
-    from tallyserve.structured_output.bitmask import GrammarBitmask
+
+
+@dataclass(frozen=True)
+class GrammarBitmask:
+    """The bitmask rows of one step: for each request id in ``request_ids`` (in the step's order),
+    ``num_sample_rows`` consecutive rows of ``bitmask`` (int32, host memory)."""
+
+    request_ids: frozenset[str]
+    bitmask: torch.Tensor  # (rows, ceil(vocab / 32)) int32
 
 
 class ScheduledRequest(NamedTuple):

@@ -22,14 +22,15 @@ from tallyserve.core.partial_prefill import PARTIAL_FULL, SKIP_LONG, PartialPref
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput, prompt_logprob_targets
 from tallyserve.core.stats import SchedulerStats, scheduler_snapshot
 from tallyserve.core.stopping import check_stop, ends_by_length
-from tallyserve.distributed.kv_transfer.scheduling import RemoteKVScheduling
+from tallyserve.core.remote_kv import RemoteKVScheduling
 from tallyserve.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 
 
 IDLE_CHECK_INTERVAL_S = 5.0
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_connector=None) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_connector=None,
+                 grammar_waits: bool = False) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(
             cache_config.num_blocks,
@@ -52,7 +53,7 @@ class Scheduler:
         # other while its token is in flight (the engine core fills its bitmask once that token is on
         # the host, while the step's forward pass runs). True only for an executor that cannot split
         # a step's forward pass and sampling: such a request then waits for its token.
-        self.grammar_waits = False
+        self.grammar_waits = grammar_waits
         # vLLM's partial prefill knobs. Off (max_num_partial_prefills 1, long_prefill_token_threshold 0):
         # the loops below take exactly today's decisions (a chunk is only ever cut by the budget, so at
         # most one request is mid-prefill anyway).

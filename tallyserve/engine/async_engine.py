@@ -1,48 +1,40 @@
-"""AsyncLLMEngine: the engine in one supervised background thread, per-request asyncio streams.
+"""AsyncLLMEngine: the asynchronous front end, composed like vLLM v1's AsyncLLM.
 
-Only the loop thread ever touches the `LLMEngine`. The event loop talks to it through a
-thread-safe inbox (add / abort / fault / stop commands); outputs come back once per step through
-`loop.call_soon_threadsafe`; a beam search group (`beam_search()`) gets one item that way, its
-`BeamSearchOutput`, when it finishes. If the loop thread dies, every pending stream ends at once
-with `EngineDeadError` and new requests are refused.
+- an ``InputProcessor`` validates and tokenizes each request on the caller's side (once);
+- an ``EngineCoreClient`` carries requests to the engine loop and its products back, over one of two
+  transports (core_client.py): ``InprocClient``, the loop on a thread of this process, or ``MPClient``,
+  the loop in an engine core process of its own (``--frontend-multiprocessing``);
+- the streams: per-request asyncio queues fed once per step with ``loop.call_soon_threadsafe``; a
+  beam search group (`beam_search()`) gets one item, its ``BeamSearchOutput``, when it finishes. If the
+  loop dies, every pending stream ends at once with ``EngineDeadError`` and new requests are refused.
 
 Outputs are cumulative, so a stream buffers at most one unconsumed RequestOutput: a newer one
 replaces it (a client that does not read costs one output, not one per step).
 
-Health (`engine/health.py`) is derived from what the loop publishes: alive, the last heartbeat,
-the running step (since when, how many tokens) and the seconds-per-token estimate of finished steps.
+Health (`engine/health.py`) is derived from what the loop publishes on its HealthBoard: alive, the last
+heartbeat, the running step (since when, how many tokens) and the seconds-per-token estimate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from tallyserve.engine.core_client import EngineCoreClient, InprocClient
+from tallyserve.engine.core_loop import BeamRequest
 from tallyserve.engine.errors import (EngineDeadError, FaultKind, QueueFullError,  # noqa: F401 - re-exported
                                        RequestRejectedError, StepFailedError)
-from tallyserve.engine.health import (DEFAULT_STALL_TIMEOUT_S, EMA_ALPHA, EMA_MAX_JUMP, SEED_SECONDS_PER_TOKEN,
-                                      HealthState)
-from tallyserve.engine.gc_heap import frozen_heap
-from tallyserve.engine.llm_engine import LLMEngine, PromptType
+from tallyserve.engine.health import DEFAULT_STALL_TIMEOUT_S, HealthState
+from tallyserve.engine.input_processor import InputProcessor, PromptType
+from tallyserve.engine.llm_engine import LLMEngine
 from tallyserve.outputs import RequestOutput
-from tallyserve.runner.cpu_threads import release_openmp_workers
 from tallyserve.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
-_IDLE_WAIT_S = 0.1  # the idle loop wakes this often to beat its heart
-
-
-class _LoopKilled(Exception):
-    """Raised inside the loop thread by the kill_loop fault."""
 
 
 class _OutputQueue(asyncio.Queue):
@@ -72,31 +64,24 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Runs `engine` in a background thread; `generate()` streams its outputs to asyncio callers."""
+    """``core``: an LLMEngine (run by an InprocClient on a thread of this process) or an
+    EngineCoreClient (e.g. ``MPClient(args)``: the loop in its own process)."""
 
-    def __init__(self, engine: LLMEngine, stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+    def __init__(self, core: Union[LLMEngine, EngineCoreClient], stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
                  max_queue_len: Optional[int] = None,
                  slow_client_timeout: Optional[float] = DEFAULT_SLOW_CLIENT_TIMEOUT_S) -> None:
-        self.engine = engine
-        self._init_streams(stall_timeout, max_queue_len, slow_client_timeout)
-        # A private tokenizer copy for the event-loop side (the engine's is used by the loop thread).
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.served_model_name = engine.served_model_name
-        self.max_model_len = engine.config.scheduler_config.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
-        self.max_logprobs = engine.config.args.max_logprobs
-        self.block_size = engine.config.cache_config.block_size
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._flush = False  # loop thread only: a cancelled beam group may leave KV copies queued
-        self._heartbeat = time.monotonic()
-        self._step_started: Optional[float] = None  # loop thread writes: when the running step began
-        self._seconds_per_token = SEED_SECONDS_PER_TOKEN  # loop thread writes: EMA over finished steps
-        self._stats: dict[str, Any] = engine.stats()
-
-    def _init_streams(self, stall_timeout: float, max_queue_len: Optional[int],
-                      slow_client_timeout: Optional[float]) -> None:
-        """The caller-side state: limits, streams, admission bookkeeping (also EngineCoreClient's,
-        whose engine runs in another process)."""
+        self.core: EngineCoreClient = core if isinstance(core, EngineCoreClient) else InprocClient(core)
+        info = self.core.info
+        self.tokenizer = self.core.tokenizer  # this side's own tokenizer (the loop has its own)
+        self.served_model_name = info.served_model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_logprobs = info.max_logprobs
+        self.block_size = info.block_size
+        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs,
+                                              info.max_num_seqs, self.core.kv_connector)
+        # Grammars compiled on this side to answer a constraint that does not compile with a 400.
+        self.structured = self.core.structured
         self.stall_timeout = stall_timeout
         self.max_queue_len = max_queue_len
         # Read by the server's SSE responses: a stream whose client does not read for this long is
@@ -107,63 +92,62 @@ class AsyncLLMEngine:
         # Submit time of each request in the inbox, oldest first, until the loop picks it up; _lock.
         self._inbox_times: dict[str, float] = {}
         self._dead_reason: Optional[str] = None  # set once, under _lock, when the loop ends
-        self._thread: Optional[threading.Thread] = None
+        self._stats: dict[str, Any] = info.stats
+        self._started = False
         self.draining = False
-        # Called from the loop thread with the number of tokens each non-empty step scheduled.
+        # Called from the loop's side with the number of tokens each non-empty step scheduled.
         self.step_observer: Optional[Callable[[int], None]] = None
+
+    @classmethod
+    def from_engine_args(cls, args: Any, frontend_multiprocessing: bool = False, **kwargs: Any) -> "AsyncLLMEngine":
+        if frontend_multiprocessing:
+            from tallyserve.engine.core_client import MPClient
+
+            return cls(MPClient(args, stall_timeout=kwargs.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S)), **kwargs)
+        return cls(LLMEngine(args), **kwargs)
+
+    @property
+    def kv_connector(self) -> Any:
+        """The scheduler half of disaggregated serving (in-thread engines only), or None."""
+        return self.core.kv_connector
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        if self._thread is not None:
+        if self._started:
             return
-        self._heartbeat = time.monotonic()
-        # Forward passes run on the loop thread from now on; this thread's OpenMP workers would only make
-        # the loop thread's sleep between operators instead of spinning (see runner/cpu_threads.py).
-        release_openmp_workers()
-        self._thread = threading.Thread(target=self._run, name="tallyserve-engine-loop", daemon=True)
-        self._thread.start()
+        self._started = True
+        self.core.start(self)
 
     def shutdown(self, timeout: float = 5.0, reason: str = "the server shut down") -> None:
         """Stop the loop: unfinished requests are aborted and end with EngineDeadError. If the loop
         does not stop within `timeout` (stuck in a step), its requests are failed from here."""
-        self.engine.structured.manager.shutdown()  # compiles under way are cancelled, not waited for
-        self._inbox.put(("stop", reason))
-        if self._thread is not None and self._dead_reason is None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.error("engine loop did not stop within %.1fs; failing its requests", timeout)
+        self.core.shutdown(timeout, reason)
         self._fail_all(reason)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead_reason is None
+        return self._started and self._dead_reason is None and self.core.is_alive()
 
     def health(self) -> HealthState:
         with self._lock:
             pending = len(self._streams)
-        started = self._step_started  # read once: the loop thread clears it when the step ends
+        board = self.core.board
+        started = board.step_started  # read once: the loop clears it when the step ends
         now = time.monotonic()
         return HealthState(
             alive=self.is_running,
             draining=self.draining,
             pending=pending,
-            seconds_since_heartbeat=now - self._heartbeat,
+            seconds_since_heartbeat=now - board.heartbeat,
             stall_timeout=self.stall_timeout,
             dead_reason=self._dead_reason,
             step_running_s=None if started is None else now - started,
-            step_tokens=self._current_step_tokens() if started is not None else 0,
-            seconds_per_token=self._seconds_per_token,
+            step_tokens=self.core.current_step_tokens() if started is not None else 0,
+            seconds_per_token=board.seconds_per_token,
         )
 
-    def _current_step_tokens(self) -> int:
-        """Tokens the running step scheduled, as the engine publishes them (0 if it does not)."""
-        try:
-            return int(getattr(self.engine, "current_step_tokens", 0) or 0)
-        except Exception:  # noqa: BLE001 - a racy read from this thread must never fail /health
-            return 0
-
     def stats(self) -> dict[str, Any]:
-        """The engine stats the loop thread last published (never read from the engine here)."""
+        """The engine stats the loop last published (never read from the engine here)."""
         return self._stats
 
     def num_waiting(self) -> int:
@@ -192,7 +176,11 @@ class AsyncLLMEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes. Closing the iterator early
         (client disconnect, cancellation) aborts the request and returns its blocks."""
-        stream = self._submit(_Stream(request_id, asyncio.get_running_loop()), ("add", request_id, prompt, params))
+        try:
+            request = self.input_processor.process(request_id, prompt, params)
+        except ValueError as exc:
+            raise RequestRejectedError(str(exc)) from exc
+        stream = self._submit(_Stream(request_id, asyncio.get_running_loop()), request)
         try:
             while True:
                 item = await stream.queue.get()
@@ -214,8 +202,11 @@ class AsyncLLMEngine:
         """Run one beam search group to the end; its sequences come best first. Raises like
         `generate` (EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError).
         Cancelling the caller (client disconnect) cancels the group and returns its blocks."""
-        stream = _Stream(request_id, asyncio.get_running_loop())
-        self._submit(stream, ("add", request_id, prompt, params))
+        try:
+            _, ids = self.input_processor.process_prompt(prompt)
+        except ValueError as exc:
+            raise RequestRejectedError(str(exc)) from exc
+        stream = self._submit(_Stream(request_id, asyncio.get_running_loop()), BeamRequest(ids, params))
         try:
             item = await stream.queue.get()
             stream.finished = True
@@ -228,7 +219,7 @@ class AsyncLLMEngine:
             if not stream.finished:
                 self.abort(request_id)
 
-    def _submit(self, stream: _Stream, cmd: tuple) -> _Stream:
+    def _submit(self, stream: _Stream, request: Any) -> _Stream:
         """Admission (live loop, unique id, queue limit) and the add command, atomically."""
         stalled = self.max_queue_len is not None and self.health().stalled
         with self._lock:
@@ -240,7 +231,7 @@ class AsyncLLMEngine:
                 raise QueueFullError(f"too many requests waiting (max_queue_len is {self.max_queue_len})")
             self._streams[stream.request_id] = stream
             self._inbox_times[stream.request_id] = time.monotonic()
-            self._inbox.put(cmd)
+            self.core.put(("add", stream.request_id, request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -249,183 +240,44 @@ class AsyncLLMEngine:
             self._inbox_times.pop(request_id, None)
         if stream is not None:
             stream.finished = True
-            self._inbox.put(("abort", request_id))
+            self.core.put(("abort", request_id))
 
     def inject_fault(self, kind: FaultKind, seconds: float = 0.0) -> None:
         """Test hook: step_exception (next step raises), kill_loop, stall (next step sleeps)."""
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self._dead_reason or 'not started'}")
-        self._inbox.put(("fault", FaultKind(kind), float(seconds)))
+        self.core.put(("fault", FaultKind(kind), float(seconds)))
 
-    # ----------------------------------------------------------------- loop thread
-    def _run(self) -> None:
-        reason = "stopped"
-        try:
-            with frozen_heap():
-                reason = self._loop()
-        except _LoopKilled:
-            reason = "killed by injected fault"
-            logger.error("engine loop killed by an injected fault")
-        except BaseException as exc:  # noqa: BLE001 - the supervisor must see everything
-            reason = f"{type(exc).__name__}: {exc}"
-            logger.exception("engine loop died")
-        finally:
-            self._fail_all(reason)
-            try:  # tensor-parallel workers go with the loop (no orphan processes)
-                self.engine.shutdown()
-            except Exception:  # noqa: BLE001 - already stopping; say so and go
-                logger.exception("shutting down the executor failed")
-
-    def _loop(self) -> str:
-        """Step while there is work; returns the reason it was asked to stop."""
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished_requests()
-            stop_reason = self._drain_inbox(block=not busy)
-            if stop_reason is not None:
-                self._stop_engine()
-                return stop_reason
-            if not engine.has_unfinished_requests() and not self._flush:
-                engine.check_health()  # idle: a dead tensor-parallel worker still ends the loop (and /health)
-                self._heartbeat = time.monotonic()
-                continue
-            self._flush = False
-            before = self._stats.get("scheduled_tokens", 0)
-            started = self._step_started = time.monotonic()
-            try:
-                outputs = engine.step()
-            finally:
-                self._heartbeat = time.monotonic()
-                self._step_started = None
-            stats = self._publish_stats()
-            tokens = stats["scheduled_tokens"] - before
-            if tokens > 0:
-                self._observe_step(self._heartbeat - started, tokens)
-                if self.step_observer is not None:
-                    self.step_observer(tokens)
-            self._dispatch(outputs)
-            self._dispatch_beams()
-
-    def _observe_step(self, seconds: float, tokens: int) -> None:
-        """Fold a finished step into the seconds-per-token average the stall rule predicts with.
-        One sample moves it up by at most EMA_MAX_JUMP x, so a stalled step barely skews it."""
-        sample = min(seconds / tokens, EMA_MAX_JUMP * self._seconds_per_token)
-        self._seconds_per_token += EMA_ALPHA * (sample - self._seconds_per_token)
-
-    def _drain_inbox(self, block: bool) -> Optional[str]:
-        """Apply queued commands; the reason when asked to stop. Blocks briefly when idle."""
-        while True:
-            try:
-                cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                if block:
-                    self._publish_stats()
-                return None
-            block = False
-            if cmd[0] == "stop":
-                return cmd[1]
-            getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
-
-    def _publish_stats(self) -> dict[str, Any]:
-        """A new stats snapshot (what num_waiting and /metrics read)."""
-        stats = self.engine.stats()
+    # ----------------------------------------------------------------- what the loop sends (its thread)
+    def picked(self, request_id: str) -> None:
         with self._lock:
-            self._stats = stats
-        return stats
+            self._inbox_times.pop(request_id, None)  # from now on the scheduler counts it
 
-    def _cmd_add(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams) -> None:
+    def publish_stats(self, snapshot: dict[str, Any]) -> None:
         with self._lock:
-            self._inbox_times.pop(request_id, None)  # picked up: from now on the scheduler counts it
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return  # aborted before it was admitted
-        try:
-            if isinstance(params, BeamSearchParams):
-                self.engine.add_beam_search_request(request_id, prompt, params)
-            else:
-                self.engine.add_request(request_id, prompt, params)
-        except ValueError as exc:
-            self._deliver([(stream, RequestRejectedError(str(exc)))], finished=True)
-        except Exception as exc:  # noqa: BLE001 - a request that breaks admission ends itself, not the loop
-            logger.error("adding request %s failed", request_id, exc_info=exc)
-            self.engine.abort_request(request_id)
-            self._deliver([(stream, StepFailedError(f"{type(exc).__name__}: {exc}"))], finished=True)
+            self._stats = snapshot
 
-    def _cmd_abort(self, request_id: str) -> None:
-        if not self._cancel_beam_group(request_id):
-            self.engine.abort_request(request_id)
+    def step_tokens(self, tokens: int) -> None:
+        if self.step_observer is not None:
+            self.step_observer(tokens)
 
-    def _cancel_beam_group(self, group_id: str) -> bool:
-        """End a running beam search group (client gone, shutdown): its beams are aborted and their
-        blocks freed, the group dropped. False if `group_id` is no beam search group."""
-        if not self.engine.beams.abort(group_id):
-            return False
-        self._flush = True  # forks since the last step pinned copy sources: one (empty) step frees them
-        return True
+    def flush(self) -> None:
+        pass
 
-    def _cmd_fault(self, kind: FaultKind, seconds: float) -> None:
-        logger.warning("injecting fault %s", kind.value)
-        if kind is FaultKind.KILL_LOOP:
-            raise _LoopKilled()
-
-        def once(_so: Any) -> None:
-            self.engine.fault_injector = None
-            if kind is FaultKind.STALL:
-                time.sleep(seconds)
-            else:
-                raise RuntimeError("injected step exception")
-
-        self.engine.fault_injector = once
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
+    def outputs(self, items: list[tuple[str, Any, bool]]) -> None:
+        """Hand a step's items to their streams with one wake-up per event loop; items nobody
+        listens for (aborted requests) are dropped."""
         batch = []
         with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue  # aborted: nobody listens
-                if out.finished:
-                    del self._streams[out.request_id]
-                batch.append((stream, out))
-        self._deliver(batch, finished=False)
-
-    def _dispatch_beams(self) -> None:
-        """Hand finished beam search groups to their waiters (outputs nobody waits for are dropped)."""
-        finished = self.engine.beams.outputs
-        if not finished:
-            return
-        batch = []
-        with self._lock:
-            for gid in list(finished):
-                out = finished.pop(gid)
-                stream = self._streams.pop(gid, None)
+            for rid, item, last in items:
+                stream = self._streams.pop(rid, None) if last else self._streams.get(rid)
                 if stream is not None:
-                    batch.append((stream, out))
-        self._deliver(batch, finished=False)
+                    batch.append((stream, item))
+        _deliver(batch)
 
-    def _deliver(self, batch: list[tuple[_Stream, Any]], finished: bool) -> None:
-        """Hand items to their streams with one wake-up per event loop."""
-        if finished:
-            with self._lock:
-                for stream, _ in batch:
-                    self._streams.pop(stream.request_id, None)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, item in batch:
-            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # that event loop is closed: its consumers are gone
-
-    def _stop_engine(self) -> None:
-        with self._lock:
-            ids = list(self._streams)
-        ids = [rid for rid in ids if not self._cancel_beam_group(rid)]
-        if ids:
-            self.engine.abort_request(ids)
+    def dead(self, reason: str) -> None:
+        """The loop ended: every stream ends with EngineDeadError; new requests are refused."""
+        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -434,8 +286,18 @@ class AsyncLLMEngine:
             streams = list(self._streams.values())
             self._streams.clear()
             self._inbox_times.clear()
-        self._deliver([(s, EngineDeadError(f"engine loop is not running: {reason}")) for s in streams],
-                      finished=False)
+        _deliver([(s, EngineDeadError(f"engine loop is not running: {reason}")) for s in streams])
+
+
+def _deliver(batch: list[tuple[_Stream, Any]]) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in batch:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass  # that event loop is closed: its consumers are gone
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

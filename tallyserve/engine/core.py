@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -24,6 +24,9 @@ from tallyserve.core.scheduler import Scheduler
 from tallyserve.executor.abstract import DeferredSample, Executor, ExecutorDeadError, StepHandle
 from tallyserve.request import Request
 from tallyserve.runner.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from tallyserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,8 @@ class _Launched:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, drafts: Optional[DraftSource] = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, drafts: Optional[DraftSource] = None,
+                 grammar: Optional["StructuredOutputManager"] = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.drafts = drafts or DraftSource()
@@ -73,8 +77,8 @@ class EngineCore:
         self.inflight: Optional[_Launched] = None
         self.active: list[SchedulerOutput] = []  # steps the current step() call scheduled or completes
         self.last_so: Optional[SchedulerOutput] = None
-        # Structured outputs: fills each step's grammar bitmask (StructuredOutputManager), if set.
-        self.grammar = None
+        # Structured outputs: fills each step's grammar bitmask, if given.
+        self.grammar = grammar
 
     def has_inflight(self) -> bool:
         return self.inflight is not None

@@ -8,8 +8,10 @@ step's tokens): a long prefill that runs at the usual speed is progress, not a s
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 DEFAULT_STALL_TIMEOUT_S = 5.0
 SEED_SECONDS_PER_TOKEN = 0.02  # conservative CPU figure, until a finished step gives a measurement
@@ -65,3 +67,63 @@ class HealthState:
                     f"{self.seconds_since_heartbeat:.1f}s with {self.pending} request(s) pending "
                     f"(stall timeout {self.stall_timeout}s)")
         return "ok"
+
+
+# HealthBoard slots: time.monotonic() is one clock for every process of the host.
+HEARTBEAT, STEP_STARTED, STEP_TOKENS, SECONDS_PER_TOKEN = range(4)
+HEALTH_SLOTS = 4
+
+
+class HealthBoard:
+    """What the loop publishes for /health, in four float slots with a single writer (the loop):
+    a plain list when the loop is a thread of this process, a shared-memory array
+    (``multiprocessing.RawArray("d", HEALTH_SLOTS)``) when it runs in the engine core process, so
+    the server reads it without asking, also while a step runs. NaN in STEP_STARTED: no step runs."""
+
+    def __init__(self, slots: Any = None) -> None:
+        self.slots = slots if slots is not None else [0.0] * HEALTH_SLOTS
+        self.slots[HEARTBEAT] = time.monotonic()
+        self.slots[STEP_STARTED] = math.nan
+        self.slots[STEP_TOKENS] = 0
+        self.slots[SECONDS_PER_TOKEN] = SEED_SECONDS_PER_TOKEN
+
+    @property
+    def heartbeat(self) -> float:
+        return self.slots[HEARTBEAT]
+
+    def beat(self) -> None:
+        self.slots[HEARTBEAT] = time.monotonic()
+
+    @property
+    def step_started(self) -> Optional[float]:
+        v = self.slots[STEP_STARTED]
+        return None if math.isnan(v) else v
+
+    def step_begins(self) -> float:
+        now = time.monotonic()
+        self.slots[STEP_STARTED] = now
+        return now
+
+    def step_ends(self) -> None:
+        self.slots[STEP_TOKENS] = 0
+        self.slots[STEP_STARTED] = math.nan
+        self.beat()
+
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        """Fold a finished step into the seconds-per-token average the stall rule predicts with.
+        One sample moves it up by at most EMA_MAX_JUMP x, so a stalled step barely skews it."""
+        spt = self.slots[SECONDS_PER_TOKEN]
+        sample = min(seconds / tokens, EMA_MAX_JUMP * spt)
+        self.slots[SECONDS_PER_TOKEN] = spt + EMA_ALPHA * (sample - spt)
+
+    @property
+    def step_tokens(self) -> int:
+        return int(self.slots[STEP_TOKENS])
+
+    @step_tokens.setter
+    def step_tokens(self, tokens: int) -> None:
+        self.slots[STEP_TOKENS] = tokens
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.slots[SECONDS_PER_TOKEN]

@@ -26,9 +26,9 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        # a constraint that does not compile: ValueError in generate()
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), wait_for_grammars=True)
         self.engine.final_outputs_only = True  # generate() returns finished outputs only
-        self.engine.structured.compile_at_add = True  # a constraint that does not compile: ValueError
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -11,30 +11,28 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from tallyserve.config import EngineArgs, check_prompt_length
+from tallyserve.config import EngineArgs
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.engine.beam_search import BeamSearchDriver, BeamSearchParams
 from tallyserve.engine.core import EngineCore, StepResult
-from tallyserve.engine.output_processor import (ParentState, SequenceState, make_detokenizer, record_logprobs,
-                                                record_prompt_logprobs)
+from tallyserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from tallyserve.engine.output_processor import OutputProcessor, ParentState, SequenceState, make_detokenizer
 from tallyserve.engine.spec_runner import SpecDecodeRunner
+from tallyserve.executor import create_executor
 from tallyserve.executor.abstract import ExecutorDeadError
-from tallyserve.executor.uniproc import UniProcExecutor
-from tallyserve.models.llama import check_tensor_parallel
-from tallyserve.models.loader import resolve_model
+from tallyserve.executor.resolve import resolve_engine
 from tallyserve.outputs import RequestOutput
 from tallyserve.request import Request, RequestStatus
-from tallyserve.runner.model_runner import resolve_device, resolve_dtype
-from tallyserve.runner.rejection_sampler import TokenSample
-from tallyserve.sampling_params import SamplingParams, check_unicode
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.structured_output.compiler import CompileTicket
 from tallyserve.structured_output.limits import StructuredOutputsLimits
-from tallyserve.structured_output.engine_hooks import StructuredOutputHooks
-from tallyserve.tokenizer import Tokenizer, load_tokenizer
+from tallyserve.structured_output.manager import STRUCTURED_STATS_KEY, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, list[int], dict[str, Any]]
+# How long an otherwise idle step waits for a grammar to finish compiling.
+IDLE_COMPILE_WAIT_S = 0.05
 
 
 class EngineFatalError(RuntimeError):
@@ -50,55 +48,43 @@ def _device_broken(exc: BaseException) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        args.validate()
-        resolved = resolve_model(args.model, args.load_format)
-        mc = resolved.model_config
-        if args.max_model_len is not None and args.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({args.max_model_len}) is larger than the model's "
-                f"max_position_embeddings ({mc.max_position_embeddings})"
-            )
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        self.served_model_name = args.served_model_name or resolved.served_name
-        self.tokenizer: Optional[Tokenizer] = load_tokenizer(args.tokenizer or resolved.tokenizer_dir)
-        self.model_config = mc
-        self.eos_token_ids = self._eos_ids()
-        torch.manual_seed(args.seed)
-        if args.tensor_parallel_size > 1:
-            check_tensor_parallel(mc, args.tensor_parallel_size)  # before any process or weight
-            from tallyserve.executor.multiproc import MultiprocExecutor
+    """The engine core with its request front: `add_request` (an InputProcessor validates and
+    tokenizes), `step` (EngineCore runs the step; this class turns its results into RequestOutputs
+    through the OutputProcessor, advances beam groups and drafts, and admits requests whose grammar
+    compiled), `abort_request`. ``wait_for_grammars``: compile a request's grammar in `add_request`
+    (the offline LLM: a constraint that does not compile is a ValueError there); otherwise a request
+    waits for its compile outside the scheduler."""
 
-            self.executor, self.config = MultiprocExecutor.create(args, resolved, self.device, self.dtype,
-                                                                  self.eos_token_ids)
-        else:
-            self.executor, self.config = UniProcExecutor.create(args, resolved, self.device, self.dtype,
-                                                                self.eos_token_ids)
-        self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any
+    def __init__(self, args: EngineArgs, wait_for_grammars: bool = False) -> None:
+        resolved, self.tokenizer = resolve_engine(args)  # every argument checked before anything loads
+        self.resolved = resolved
+        mc = self.model_config = resolved.model_config
+        self.device, self.dtype, self.eos_token_ids = resolved.device, resolved.dtype, resolved.eos_token_ids
+        self.served_model_name = resolved.served_model_name
+        torch.manual_seed(args.seed)
+        self.executor, self.config = create_executor(resolved)
+        self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any (diagnostics)
         self.kv_connector = None  # the scheduler half of disaggregated serving
         if args.kv_transfer_config is not None:
             from tallyserve.distributed.kv_transfer.factory import make_connector
 
             self.kv_connector = make_connector(args.kv_transfer_config, args.block_size, role="scheduler")
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config, self.kv_connector)
+        sc = self.config.scheduler_config
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, sc.max_model_len, args.max_logprobs,
+                                              sc.max_num_seqs, self.kv_connector)
+        self.scheduler = Scheduler(sc, self.config.cache_config, self.kv_connector,
+                                   grammar_waits=not self.executor.defers_sampling)
+        pin = self.device.type == "cuda" and self.executor.defers_sampling  # the runner shares this process
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids, pin_memory=pin,
+                                                  limits=StructuredOutputsLimits.from_args(args))
+        self.wait_for_grammars = wait_for_grammars
         self.spec = None
         if args.speculative_config:
-            self.spec = SpecDecodeRunner.create(args, self.scheduler, mc, self.device, self.dtype,
-                                                self.config.cache_config.num_blocks)
-        self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec)
+            self.spec = SpecDecodeRunner.create(resolved, self.scheduler, self.config.cache_config.num_blocks,
+                                                self.structured)
+        self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec, grammar=self.structured)
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
-        self.structured_outputs_limits = StructuredOutputsLimits.from_args(args)
-        self.structured = StructuredOutputHooks(self)  # grammars: compile off the loop, bitmasks per step
-        self.core.grammar = self.structured.manager
-        self.scheduler.grammar_waits = not self.executor.defers_sampling  # async: see Scheduler.grammar_waits
-        if self.spec is not None:
-            self.spec.structured = self.structured.manager
-        self._parents: dict[str, ParentState] = {}
-        self._seqs: dict[str, SequenceState] = {}
-        self._pending: list[RequestOutput] = []  # outputs of requests ended outside a step
-        # Offline callers that only want finished outputs skip building the rest every step.
-        self.final_outputs_only = False
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, on_end=self._forget)
         # Async scheduling: the next step is scheduled and launched before this one's tokens are
         # read back (not with speculative decoding; beam groups run synchronously).
         self.async_scheduling = args.async_scheduling
@@ -115,6 +101,15 @@ class LLMEngine:
         self.core.fault_injector = fn
 
     @property
+    def final_outputs_only(self) -> bool:
+        """Offline callers that want only finished outputs skip building the others every step."""
+        return self.output.final_outputs_only
+
+    @final_outputs_only.setter
+    def final_outputs_only(self, value: bool) -> None:
+        self.output.final_outputs_only = value
+
+    @property
     def current_step_tokens(self) -> int:
         """Tokens of the step being run now (0 between steps): what health predicts its time from."""
         so = self.core.last_so
@@ -124,115 +119,110 @@ class LLMEngine:
     def timings(self) -> dict[str, float]:
         return self.core.timings
 
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = list(self.model_config.eos_token_ids)
-        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if tok_eos is not None and tok_eos not in ids:
-            ids.append(tok_eos)
-        return tuple(ids)
-
     # ----------------------------------------------------------------- requests
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """A prompt string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of ids."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
-            ids = self.tokenizer.encode(check_unicode("prompt", prompt))
-            if not ids:
-                raise ValueError("prompt must not be empty")
-            return prompt, ids
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        vocab = self.model_config.vocab_size
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of ints")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is out of range [0, {vocab})")
-        return list(ids)
+        return self.input_processor.process_prompt(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     kv_transfer_params: Optional[dict] = None) -> None:
-        params = params or SamplingParams()
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        vocab = self.model_config.vocab_size
-        max_logprobs = min(self.config.args.max_logprobs, vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > max_logprobs:
-                raise ValueError(f"{name} must be <= max_logprobs ({max_logprobs}), got {k}")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[0]}")
-        if params.bad_words and not params.bad_words_token_ids:
-            if self.tokenizer is None:
-                raise ValueError("bad_words needs a tokenizer: pass bad_words_token_ids instead")
-            params = params.with_bad_words_tokenized(self.tokenizer)
-        max_n = self.config.scheduler_config.max_num_seqs
-        if params.n > max_n:
-            raise ValueError(f"n must be at most max_num_seqs ({max_n}): all n sequences of a request run "
-                             f"in one batch; got {params.n}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        text, ids = self.process_prompt(prompt)
-        max_model_len = self.config.scheduler_config.max_model_len
-        check_prompt_length(len(ids), max_model_len)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-        if isinstance(prompt, dict) and "kv_transfer_params" in prompt:  # the server passes them with the prompt
-            kv_transfer_params = prompt["kv_transfer_params"]
-        if kv_transfer_params is not None:
-            from tallyserve.distributed.kv_transfer.factory import check_request_params
+        self.add_core_request(self.input_processor.process(request_id, prompt, params, priority, arrival_time,
+                                                           kv_transfer_params))
 
-            kv_transfer_params = check_request_params(self.kv_connector, kv_transfer_params, len(ids), params.n)
-            if kv_transfer_params and kv_transfer_params.get("do_remote_prefill") and params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs cannot be computed from a remote prefill's KV: ask the prefill "
-                                 "instance for them, or send the request without kv_transfer_params")
-        grammar = self.structured.submit(params)  # compiles in the compile pool; ValueError if known bad
-        parent = ParentState(request_id, text, ids, params, metrics={"arrival_time": arrival_time or time.time()},
+    def add_core_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request the InputProcessor made (validated and tokenized; nothing is checked again)."""
+        request_id, params, ids = request.request_id, request.params, request.prompt_token_ids
+        if request_id in self.output.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ticket = self._submit_grammar(params)
+        parent = ParentState(request_id, request.prompt, ids, params,
+                             metrics={"arrival_time": request.arrival_time or time.time()},
                              prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             child_params = params if (i == 0 or params.seed is None) else params.clone(seed=params.seed + i)
             if i and child_params.prompt_logprobs is not None:  # the children share one prompt: the first scores it
                 child_params = child_params.clone(prompt_logprobs=None)
-            req = Request(child_id, ids, child_params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                          priority=priority, arrival_time=arrival_time)
-            req.kv_transfer_params = kv_transfer_params
-            seq = SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req))
-            parent.children.append(seq)
+            req = Request(child_id, ids, child_params, max_tokens=request.max_tokens,
+                          eos_token_ids=self.eos_token_ids, priority=request.priority,
+                          arrival_time=request.arrival_time)
+            req.kv_transfer_params = request.kv_transfer_params
+            parent.children.append(SequenceState(req, i, request_id, make_detokenizer(self.tokenizer, req)))
+        self.output.add(parent)
+        if ticket is not None and not ticket.future.done():
+            self.structured.park(request_id, ticket)  # scheduled once its grammar is compiled
+        else:
+            self._schedule(parent, ticket)
+
+    def _submit_grammar(self, params: SamplingParams) -> Optional[CompileTicket]:
+        """Start compiling the request's grammar; ValueError now if it is already known bad (or, with
+        wait_for_grammars, once it failed to compile)."""
+        if params.structured_outputs is None:
+            return None
+        ticket = self.structured.submit(params.structured_outputs)
+        fut = ticket.future
+        if self.wait_for_grammars or (fut.done() and fut.exception() is not None):
+            try:
+                self.structured.result(ticket)  # raises the ValueError of a constraint that does not compile
+            except BaseException:
+                self.structured.release(ticket)
+                raise
+        return ticket
+
+    def _schedule(self, parent: ParentState, ticket: Optional[CompileTicket]) -> None:
+        """Hand the parent's sequences to the scheduler, each with a matcher of its compiled grammar."""
+        if ticket is not None:
+            compiled = self.structured.take(ticket)
+            for seq in parent.children:
+                kind = seq.request.sampling_params.structured_outputs.kind
+                self.structured.register(seq.request.request_id, compiled, kind)
         for seq in parent.children:
-            self._seqs[seq.request.request_id] = seq
-        self._parents[request_id] = parent
-        self.structured.admit(parent, grammar)  # scheduled now, or once its grammar is compiled
+            self.scheduler.add_request(seq.request)
+
+    def _admit_compiled(self) -> None:
+        """Before a step: schedule the parked requests whose grammar compiled, fail those whose grammar
+        did not. When nothing else can run, wait a moment for a compile instead of spinning."""
+        idle = not self.scheduler.requests and not self.core.has_inflight()
+        for rid, ticket in self.structured.ready(IDLE_COMPILE_WAIT_S if idle else 0.0):
+            parent = self.output.parents.get(rid)
+            if parent is None:
+                self.structured.release(ticket)
+                continue
+            try:
+                self._schedule(parent, ticket)
+            except Exception as exc:  # noqa: BLE001 - the constraint did not compile (or was cancelled)
+                self.output.end_unscheduled(parent, RequestStatus.FINISHED_ERROR, str(exc))
+
+    def _forget(self, request_id: str) -> None:
+        """A sequence ended: its matcher and its drafts go."""
+        self.structured.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            parent = self._parents.get(rid)
-            if parent is None or self.structured.abort(rid):
+            parent = self.output.parents.get(rid)
+            if parent is None:
+                continue
+            if self.structured.unpark(rid):
+                self.output.end_unscheduled(parent, RequestStatus.FINISHED_ABORTED, None)
                 continue
             ids = [c.request.request_id for c in parent.children if c.finish_reason is None]
             for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED):
-                self._finish_seq(self._seqs[req.request_id], req)
-            self._pending.append(self._pop_if_finished(parent))
+                self.output.finish(self.output.seqs[req.request_id], req)
+            self.output.pending.append(self.output.pop_if_finished(parent))
+
+    def abort_all(self) -> None:
+        """Abort every request and beam search group (the loop stops)."""
+        for gid in list(self.beams.groups):
+            self.beams.abort(gid)
+        self.abort_request(list(self.output.parents))
 
     def has_unfinished_requests(self) -> bool:
         xfer = self.scheduler.kv_xfer  # disaggregated serving: loads running, blocks held for a consumer
-        return bool(self._parents) or bool(self._pending) or bool(self.beams.groups) or self.core.has_inflight() \
-            or (xfer is not None and xfer.has_pending())
+        return bool(self.output.parents) or bool(self.output.pending) or bool(self.beams.groups) \
+            or self.core.has_inflight() or (xfer is not None and xfer.has_pending())
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
         _, ids = self.process_prompt(prompt)
@@ -258,50 +248,64 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         use_async = self.async_scheduling and not self.beams.groups  # beam groups step synchronously
-        self.structured.poll()  # requests whose grammar finished compiling join the scheduler
-        outputs, self._pending = self._pending, []
+        self._admit_compiled()  # requests whose grammar finished compiling join the scheduler
+        outputs = self.output.take_pending()
         results = self.core.step(async_scheduling=use_async)
         touched: dict[str, ParentState] = {}
         for result in results:
             self._process(result, touched)
         if not results and not use_async:
             self.beams.after_step(progressed=False)
-        return outputs + self._collect_finished(touched)
+        return outputs + self.output.collect(touched)
 
     def _process(self, result: StepResult, touched: dict[str, ParentState]) -> None:
         """Emit a finished step's tokens, finish what stopped, and advance beams and drafts."""
         if result.output is None:
             self._process_failure(result, touched)
             return
+        out = self.output
         for rid, logprobs in result.output.beam_logprobs.items():
             self.beams.record(rid, logprobs)
         for rid, rows in result.output.prompt_logprobs.items():
-            seq = self._seqs.get(rid)
+            seq = out.seqs.get(rid)
             if seq is not None and seq.request is result.scheduled.get(rid):
                 try:
-                    record_prompt_logprobs(self._parents[seq.parent_id], rows, self.tokenizer)
+                    out.prompt_logprobs(seq, rows)
                 except Exception as exc:  # noqa: BLE001 - this request only
                     logger.error("prompt logprobs of request %s failed", rid, exc_info=exc)
-                    self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
-                    touched[seq.parent_id] = self._parents[seq.parent_id]
+                    out.fail(seq, f"{type(exc).__name__}: {exc}")
+                    touched[seq.parent_id] = out.parents[seq.parent_id]
         for rid, toks in result.output.sampled.items():
-            seq = self._seqs.get(rid)
+            seq = out.seqs.get(rid)
             if seq is not None and seq.request is result.scheduled.get(rid):  # not a new request reusing the id
-                touched[seq.parent_id] = self._parents[seq.parent_id]
+                touched[seq.parent_id] = out.parents[seq.parent_id]
                 try:
-                    self._emit_tokens(seq, toks)
-                    self.structured.after_tokens(seq)
+                    out.emit(seq, toks)
+                    self._check_grammar(seq)
                 except Exception as exc:  # noqa: BLE001 - detokenizer, stop strings, logprobs: this request only
                     logger.error("output processing of request %s failed", rid, exc_info=exc)
-                    self._fail_seq(seq, f"{type(exc).__name__}: {exc}")
+                    out.fail(seq, f"{type(exc).__name__}: {exc}")
         for req in result.finished:
-            seq = self._seqs.get(req.request_id)
-            if seq is not None and seq.request is req:
-                self._finish_seq(seq, req)
-                touched[seq.parent_id] = self._parents[seq.parent_id]
+            seq = out.seq_of(req)
+            if seq is not None:
+                out.finish(seq, req)
+                touched[seq.parent_id] = out.parents[seq.parent_id]
         if self.spec is not None:
             self.spec.after_step(result.so, result.finished)
         self.beams.after_step()
+
+    def _check_grammar(self, seq: SequenceState) -> None:
+        """A grammar's end stops its sequence ("stop"); a token it rejected fails it. Under async
+        scheduling the step after may already hold a row for the sequence: stopping it here drops that
+        row's token (its placeholder goes, and the scheduler ignores the row's result)."""
+        req = seq.request
+        ended, error = self.structured.after_tokens(req)
+        if error is not None:
+            logger.error("request %s: %s", req.request_id, error)
+            self.output.fail(seq, f"structured output: {error}")
+        elif ended:
+            self.scheduler.stop_request(req, len(req.output_token_ids), None)
+            self.output.finish(seq, req)
 
     def _process_failure(self, result: StepResult, touched: dict[str, ParentState]) -> None:
         msg = f"{type(result.error).__name__}: {result.error}"
@@ -309,62 +313,13 @@ class LLMEngine:
             if self.beams.owns(req.request_id):
                 self.beams.fail(req.request_id, msg)
                 continue
-            seq = self._seqs.get(req.request_id)
+            seq = self.output.seqs.get(req.request_id)
             if seq is None:  # a beam whose group an earlier beam of this step already failed
                 continue
-            self._finish_seq(seq, req)
-            parent = self._parents[seq.parent_id]
+            self.output.finish(seq, req)
+            parent = self.output.parents[seq.parent_id]
             parent.error = msg
             touched[parent.request_id] = parent
-
-    def _emit_tokens(self, seq: SequenceState, samples: list[TokenSample]) -> None:
-        """Logprobs and stop-safe text for the tokens the scheduler appended this step."""
-        req = seq.request
-        detok = seq.detokenizer
-        # The sampled tokens not yet emitted (no placeholders): one slice, not output_token_ids'
-        # copy of every output token.
-        new = req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:req.num_resolved_tokens]
-        logprobs = req.sampling_params.logprobs is not None  # nothing to record otherwise
-        for i, token in enumerate(new):
-            if logprobs:
-                record_logprobs(seq, samples[i], self.tokenizer)
-            seq.num_emitted += 1
-            seq.text += detok.update((token,))  # stop-safe text only
-            if detok.finished:
-                was_finished = req.is_finished()
-                self.scheduler.stop_request(req, seq.num_emitted, detok.stop_reason)
-                if not was_finished:
-                    self._finish_seq(seq, req)
-                    if self.spec is not None:
-                        self.spec.forget(req.request_id)
-                return
-
-    def _fail_seq(self, seq: SequenceState, msg: str) -> None:
-        """End one sequence with an error (its own output processing failed); its blocks are freed."""
-        req = seq.request
-        if not req.is_finished():
-            req.error = msg
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
-        if self.spec is not None:
-            self.spec.forget(req.request_id)
-        self._finish_seq(seq, req, flush=False)
-        parent = self._parents.get(seq.parent_id)
-        if parent is not None:
-            parent.error = msg
-
-    def _finish_seq(self, seq: SequenceState, req: Request, flush: bool = True) -> None:
-        if seq.finish_reason is not None:
-            return
-        if flush and not seq.detokenizer.finished:
-            try:
-                seq.detokenizer.flush()
-            except Exception as exc:  # noqa: BLE001 - keep the text produced so far
-                logger.error("flushing the detokenizer of %s failed", req.request_id, exc_info=exc)
-        seq.text = seq.detokenizer.text
-        seq.finish_reason = req.status.finish_reason
-        seq.stop_reason = req.stop_reason
-        self._seqs.pop(req.request_id, None)
-        self.structured.forget(req.request_id)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """An exception escaped a step: fail the requests of the steps it was handling (every
@@ -375,7 +330,7 @@ class LLMEngine:
         self.scheduler.stats.step_errors += 1
         logger.error("engine step failed outside its fault isolation; failing its requests", exc_info=exc)
         msg = f"{type(exc).__name__}: {exc}"
-        outputs, self._pending = self._pending, []
+        outputs = self.output.take_pending()
         touched: dict[str, ParentState] = {}
         try:
             if not self.core.active:
@@ -383,35 +338,14 @@ class LLMEngine:
             for result in self.core.fail_active(exc):
                 self._process_failure(result, touched)
         except Exception:  # noqa: BLE001 - fail everything that is still unfinished
-            self._fail_everything(msg, touched)
+            self.beams.fail_all(msg)
+            self.output.fail_all(msg, touched)
+            self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
         try:
             self.scheduler.check_integrity()
         except Exception as bad:  # noqa: BLE001
             raise EngineFatalError(f"KV cache invariants broken after a failed step: {bad}") from exc
-        return outputs + self._collect_finished(touched)
-
-    def _fail_everything(self, msg: str, touched: dict[str, ParentState]) -> None:
-        self.beams.fail_all(msg)
-        for parent in list(self._parents.values()):
-            for seq in parent.children:
-                if seq.finish_reason is None:
-                    self._fail_seq(seq, msg)
-            parent.error = msg
-            touched[parent.request_id] = parent
-        leftover = [rid for rid in self.scheduler.requests]
-        self.scheduler.finish_requests(leftover, RequestStatus.FINISHED_ERROR)
-
-    def _collect_finished(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
-        """Outputs of the requests that progressed; only the finished ones when nobody streams."""
-        if self.final_outputs_only:
-            return [self._pop_if_finished(p) for p in touched.values() if p.finished]
-        return [self._pop_if_finished(parent) for parent in touched.values()]
-
-    def _pop_if_finished(self, parent: ParentState) -> RequestOutput:
-        if parent.finished:
-            self._parents.pop(parent.request_id, None)
-            parent.metrics["finished_time"] = time.time()
-        return parent.to_output()
+        return outputs + self.output.collect(touched)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
@@ -424,6 +358,9 @@ class LLMEngine:
             if st.spec_verify_steps else 0.0,
         )
         out["timings_s"] = dict(self.core.timings)
+        counts = self.structured.counts()
+        if counts is not None:
+            out[STRUCTURED_STATS_KEY] = counts
         return out
 
     def check_health(self) -> None:

@@ -1,17 +1,24 @@
-"""Turns sampled tokens into user-visible outputs: detokenization, stop strings, logprobs, n > 1."""
+"""OutputProcessor: sampled tokens into user-visible outputs (detokenization, stop strings, logprobs, n > 1)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tallyserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from tallyserve.request import Request
+from tallyserve.request import Request, RequestStatus
 from tallyserve.runner.prompt_logprobs import PromptLogprobs as PromptLogprobRows
 from tallyserve.runner.rejection_sampler import TokenSample
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.detokenizer import IncrementalDetokenizer
 from tallyserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tallyserve.core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,3 +123,123 @@ def record_prompt_logprobs(parent: ParentState, rows: PromptLogprobRows, tokeniz
 
 def _piece(tokenizer: Optional[Tokenizer], token_id: int) -> Optional[str]:
     return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class OutputProcessor:
+    """The engine core's per-request output state: each request's sequences, their detokenizers and
+    stop strings, logprobs, and the RequestOutputs of the requests that progressed.
+
+    It decides one kind of stop, the stop string (the detokenizer finds it), and tells the scheduler
+    (``Scheduler.stop_request``), which stops the sequence's blocks and tokens at once. Every other end is
+    decided elsewhere and only recorded here (`finish`): EOS, stop token ids and length in the scheduler
+    (core/stopping.py), a grammar's end by the StructuredOutputManager, a failed step by EngineCore, an
+    abort by the caller. ``on_end(request_id)`` runs once per ended sequence (the engine forgets its
+    grammar matcher and its drafts)."""
+
+    def __init__(self, tokenizer: Optional[Tokenizer], scheduler: "Scheduler",
+                 on_end: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.on_end = on_end
+        self.parents: dict[str, ParentState] = {}
+        self.seqs: dict[str, SequenceState] = {}
+        self.pending: list[RequestOutput] = []  # outputs of requests ended outside a step
+        # Offline callers that only want finished outputs skip building the rest every step.
+        self.final_outputs_only = False
+
+    def add(self, parent: ParentState) -> None:
+        for seq in parent.children:
+            self.seqs[seq.request.request_id] = seq
+        self.parents[parent.request_id] = parent
+
+    def seq_of(self, request: Request) -> Optional[SequenceState]:
+        """The sequence of this very Request (None for another one reusing the id, or an ended one)."""
+        seq = self.seqs.get(request.request_id)
+        return seq if seq is not None and seq.request is request else None
+
+    def take_pending(self) -> list[RequestOutput]:
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    # ----------------------------------------------------------------- tokens
+    def emit(self, seq: SequenceState, samples: list[TokenSample]) -> None:
+        """Logprobs and stop-safe text for the tokens the scheduler appended this step; a stop string
+        stops the sequence (here, the one place that decides it)."""
+        req = seq.request
+        detok = seq.detokenizer
+        # The sampled tokens not yet emitted (no placeholders): one slice, not output_token_ids'
+        # copy of every output token.
+        new = req.all_token_ids[req.num_prompt_tokens + seq.num_emitted:req.num_resolved_tokens]
+        logprobs = req.sampling_params.logprobs is not None  # nothing to record otherwise
+        for i, token in enumerate(new):
+            if logprobs:
+                record_logprobs(seq, samples[i], self.tokenizer)
+            seq.num_emitted += 1
+            seq.text += detok.update((token,))  # stop-safe text only
+            if detok.finished:
+                was_finished = req.is_finished()
+                self.scheduler.stop_request(req, seq.num_emitted, detok.stop_reason)
+                if not was_finished:
+                    self.finish(seq, req)
+                return
+
+    def prompt_logprobs(self, seq: SequenceState, rows: PromptLogprobRows) -> None:
+        record_prompt_logprobs(self.parents[seq.parent_id], rows, self.tokenizer)
+
+    # ----------------------------------------------------------------- ends
+    def finish(self, seq: SequenceState, req: Request, flush: bool = True) -> None:
+        """Record the end the scheduler gave ``req`` (its status and stop reason) on its sequence."""
+        if seq.finish_reason is not None:
+            return
+        if flush and not seq.detokenizer.finished:
+            try:
+                seq.detokenizer.flush()
+            except Exception as exc:  # noqa: BLE001 - keep the text produced so far
+                logger.error("flushing the detokenizer of %s failed", req.request_id, exc_info=exc)
+        seq.text = seq.detokenizer.text
+        seq.finish_reason = req.status.finish_reason
+        seq.stop_reason = req.stop_reason
+        self.seqs.pop(req.request_id, None)
+        self.on_end(req.request_id)
+
+    def fail(self, seq: SequenceState, msg: str) -> None:
+        """End one sequence with an error (its own output processing failed); its blocks are freed."""
+        req = seq.request
+        if not req.is_finished():
+            req.error = msg
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        self.finish(seq, req, flush=False)
+        parent = self.parents.get(seq.parent_id)
+        if parent is not None:
+            parent.error = msg
+
+    def end_unscheduled(self, parent: ParentState, status: RequestStatus, error: Optional[str]) -> None:
+        """End a request the scheduler never saw (its grammar failed to compile, or it was aborted
+        while it compiled); its output is pending for the next step."""
+        for seq in parent.children:
+            seq.request.status = status
+            seq.request.error = error
+            self.finish(seq, seq.request, flush=False)
+        parent.error = error
+        self.pending.append(self.pop_if_finished(parent))
+
+    def fail_all(self, msg: str, touched: dict[str, ParentState]) -> None:
+        for parent in list(self.parents.values()):
+            for seq in parent.children:
+                if seq.finish_reason is None:
+                    self.fail(seq, msg)
+            parent.error = msg
+            touched[parent.request_id] = parent
+
+    # ----------------------------------------------------------------- outputs
+    def collect(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        """Outputs of the requests that progressed; only the finished ones when nobody streams."""
+        if self.final_outputs_only:
+            return [self.pop_if_finished(p) for p in touched.values() if p.finished]
+        return [self.pop_if_finished(parent) for parent in touched.values()]
+
+    def pop_if_finished(self, parent: ParentState) -> RequestOutput:
+        if parent.finished:
+            self.parents.pop(parent.request_id, None)
+            parent.metrics["finished_time"] = time.time()
+        return parent.to_output()

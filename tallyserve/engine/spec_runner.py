@@ -13,14 +13,14 @@ import torch
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.engine.core import DraftSource
 from tallyserve.request import Request, RequestStatus
-from tallyserve.spec_decode.config import SpeculativeConfig
+from tallyserve.config.speculative import SpeculativeConfig
 from tallyserve.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from tallyserve.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
-    from tallyserve.config import EngineArgs
+    from tallyserve.executor.resolve import ResolvedEngine
     from tallyserve.core.scheduler import Scheduler
-    from tallyserve.models.model_config import ModelConfig
+    from tallyserve.structured_output.manager import StructuredOutputManager
 
 
 class SpecDecodeRunner(DraftSource):
@@ -28,40 +28,25 @@ class SpecDecodeRunner(DraftSource):
     core the proposal distributions of the drafts a step verifies."""
 
     def __init__(self, config: SpeculativeConfig, scheduler: "Scheduler",
-                 ngram: Optional[NgramProposer], draft: Optional[DraftModelProposer]) -> None:
+                 ngram: Optional[NgramProposer], draft: Optional[DraftModelProposer],
+                 structured: Optional["StructuredOutputManager"] = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.ngram = ngram
         self.draft = draft
         self._probs: dict[str, torch.Tensor] = {}
         # Structured outputs: drafts are cut at the first token a request's grammar rejects, before
-        # the scheduler charges them (StructuredOutputManager, set by the engine).
-        self.structured = None
+        # the scheduler charges them.
+        self.structured = structured
 
     @classmethod
-    def create(cls, args: "EngineArgs", scheduler: "Scheduler", target: "ModelConfig", device: torch.device,
-               dtype: torch.dtype, num_blocks: int) -> "SpecDecodeRunner":
-        cfg: SpeculativeConfig = args.speculative_config
+    def create(cls, target: "ResolvedEngine", scheduler: "Scheduler", num_blocks: int,
+               structured: Optional["StructuredOutputManager"] = None) -> "SpecDecodeRunner":
+        cfg: SpeculativeConfig = target.args.speculative_config
         if cfg.method == "ngram":
             return cls(cfg, scheduler, NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
-                                                     cfg.prompt_lookup_max), None)
-        from tallyserve.attention.backend import get_attn_backend
-        from tallyserve.models.loader import load_model, resolve_model
-        from tallyserve.runner.model_runner import apply_matmul_dtype, resolve_kv_cache_dtype
-
-        resolved = resolve_model(cfg.model, "auto")
-        if resolved.model_config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"the draft model's vocab_size ({resolved.model_config.vocab_size}) differs from the "
-                f"target's ({target.vocab_size}); they must share a tokenizer"
-            )
-        model = load_model(resolved, "auto", dtype, device, args.seed, get_attn_backend("torch"))
-        apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": as the target, bf16 projections
-        # its KV cache in the target's cache dtype (bfloat16 with the CPU's bf16 projections)
-        proposer = DraftModelProposer(model, num_blocks, args.block_size, device,
-                                      resolve_kv_cache_dtype(args.dtype, device), cfg.num_speculative_tokens,
-                                      args.seed)
-        return cls(cfg, scheduler, None, proposer)
+                                                     cfg.prompt_lookup_max), None, structured)
+        return cls(cfg, scheduler, None, DraftModelProposer.load(cfg, target, num_blocks), structured)
 
     def draft_probs_for(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Proposal distributions of the drafts ``so`` verifies (none for n-grams: point masses)."""

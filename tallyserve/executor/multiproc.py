@@ -28,8 +28,8 @@ from tallyserve.core.kv_cache_manager import KVTransfers
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.executor.abstract import Executor, ExecutorDeadError
 from tallyserve.executor.worker import WorkerSpec, worker_main
-from tallyserve.models.loader import ResolvedModel
-from tallyserve.runner.model_runner import kv_bytes_per_block, resolve_kv_cache_dtype
+from tallyserve.executor.resolve import ResolvedEngine
+from tallyserve.runner.model_runner import kv_bytes_per_block
 from tallyserve.runner.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,9 @@ def init_method(args: EngineArgs) -> str:
     return f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{_free_port()}"
 
 
-def spawn_workers(args: EngineArgs, device: torch.device, dtype: torch.dtype, eos_token_ids: tuple[int, ...],
-                  method: str) -> tuple[list[mp.Process], Optional[Any]]:
+def spawn_workers(r: ResolvedEngine, method: str) -> tuple[list[mp.Process], Optional[Any]]:
     """Start this node's workers; returns them and rank 0's engine-side pipe (None off node 0)."""
+    args, device = r.args, r.device
     ranks = local_ranks(args)
     if device.type == "cuda" and len(ranks) > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} needs {len(ranks)} GPUs on this node, "
@@ -70,7 +70,7 @@ def spawn_workers(args: EngineArgs, device: torch.device, dtype: torch.dtype, eo
         conn = None
         if rank == 0:
             engine_end, conn = ctx.Pipe()
-        spec = WorkerSpec(args, rank, method, dev, dtype, eos_token_ids, threads)
+        spec = WorkerSpec(r, rank, method, dev, threads)
         proc = ctx.Process(target=worker_main, args=(spec, conn), name=f"tallyserve-tp-rank{rank}", daemon=True)
         proc.start()
         procs.append(proc)
@@ -95,10 +95,10 @@ class MultiprocExecutor(Executor):
         self._kv_meta: list[dict] = []
 
     @classmethod
-    def create(cls, args: EngineArgs, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype,
-               eos_token_ids: tuple[int, ...]) -> tuple["MultiprocExecutor", EngineConfig]:
-        procs, conn = spawn_workers(args, device, dtype, eos_token_ids, init_method(args))
-        per_block = kv_bytes_per_block(resolved.model_config, args.block_size, resolve_kv_cache_dtype(args.dtype, device),
+    def create(cls, r: ResolvedEngine) -> tuple["MultiprocExecutor", EngineConfig]:
+        args, resolved = r.args, r.model
+        procs, conn = spawn_workers(r, init_method(args))
+        per_block = kv_bytes_per_block(resolved.model_config, args.block_size, r.kv_cache_dtype,
                                        args.tensor_parallel_size)
         ex = cls(procs, conn, args.worker_timeout, per_block)
         try:

@@ -7,14 +7,15 @@ from typing import Any, Optional
 import torch
 
 from tallyserve.attention.backend import get_attn_backend
-from tallyserve.config import EngineArgs, EngineConfig
+from tallyserve.config import EngineConfig
 from tallyserve.core.kv_cache_manager import KVTransfers
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.executor.abstract import Executor
 from tallyserve.runner.forward_batch import ForwardBatch
-from tallyserve.models.loader import ResolvedModel, load_model
+from tallyserve.executor.resolve import ResolvedEngine
+from tallyserve.models.loader import load_model
 from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, determine_num_blocks, num_host_blocks,
-                                            resolve_kv_cache_dtype, warm_up_full_budget)
+                                            warm_up_full_budget)
 from tallyserve.runner.cpu_threads import CpuThreadGovernor, cpu_task_pool, keep_freed_memory
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
@@ -36,16 +37,16 @@ class UniProcExecutor(Executor):
             kv_connector.register_kv_caches(runner.kv_caches)
 
     @classmethod
-    def create(cls, args: EngineArgs, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype,
-               eos_token_ids: tuple[int, ...]) -> tuple["UniProcExecutor", EngineConfig]:
-        """Load the model on ``device``, size the KV pool, resolve the engine config, build the runner."""
+    def create(cls, r: ResolvedEngine) -> tuple["UniProcExecutor", EngineConfig]:
+        """Load the model on the resolved device, size the KV pool, resolve the engine config, build the runner."""
+        args, resolved, device, dtype, eos_token_ids = r.args, r.model, r.device, r.dtype, r.eos_token_ids
         mc = resolved.model_config
         record_memory_baseline(device)  # what other processes hold on the card is not ours
         model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device))
         # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
         model.enable_fused_kernels()
         apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
-        kv_dtype = resolve_kv_cache_dtype(args.dtype, device)  # the model's, or bf16 with them on the CPU
+        kv_dtype = r.kv_cache_dtype  # the model's, or bf16 with them on the CPU
         num_blocks = determine_num_blocks(args, mc, device, kv_dtype, model)
         host_blocks = num_host_blocks(args, mc, kv_dtype) if args.enable_prefix_caching else 0
         config = args.resolve(mc, num_blocks, host_blocks)

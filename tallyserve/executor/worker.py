@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tallyserve.core import ledger
+from tallyserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +37,23 @@ logger = logging.getLogger(__name__)
 class WorkerSpec:
     """Everything a worker needs to build its shard (picklable: sent to spawned processes)."""
 
-    args: Any  # EngineArgs
+    resolved: Any  # the engine's ResolvedEngine (executor/resolve.py)
     rank: int
     init_method: str
     device: str  # "cpu" or "cuda:N" (the local GPU of this rank)
-    dtype: torch.dtype
-    eos_token_ids: tuple[int, ...]
     num_threads: int
+
+    @property
+    def args(self) -> Any:
+        return self.resolved.args
 
 
 def _init(spec: WorkerSpec):
     """Join the group, load this rank's shard and size its KV pool (the smallest over ranks)."""
     from tallyserve.attention.backend import get_attn_backend
     from tallyserve.distributed import parallel_state as ps
-    from tallyserve.models.loader import load_model, resolve_model
-    from tallyserve.runner.model_runner import (apply_matmul_dtype, determine_num_blocks, num_host_blocks,
-                                                resolve_kv_cache_dtype)
+    from tallyserve.models.loader import load_model
+    from tallyserve.runner.model_runner import apply_matmul_dtype, determine_num_blocks, num_host_blocks
     from tallyserve.runner.memory import record_memory_baseline
 
     args, device = spec.args, torch.device(spec.device)
@@ -63,14 +65,14 @@ def _init(spec: WorkerSpec):
     ps.init_tensor_parallel(args.tensor_parallel_size, spec.rank, spec.init_method,
                             timeout_s=args.worker_timeout, device=device)
     group = ps.get_tp_group() if ps.default_backend(device) == "gloo" else dist.new_group(backend="gloo")
-    resolved = resolve_model(args.model, args.load_format)
+    resolved = spec.resolved.model
     torch.manual_seed(args.seed)
     record_memory_baseline(device)  # what other processes hold on the card is not ours
-    model = load_model(resolved, args.load_format, spec.dtype, device, args.seed, get_attn_backend("auto", device),
+    model = load_model(resolved, args.load_format, spec.resolved.dtype, device, args.seed, get_attn_backend("auto", device),
                        tp_rank=spec.rank, tp_size=args.tensor_parallel_size)
     model.enable_fused_kernels()  # CUDA, or CPU float32 (TALLYSERVE_FUSED_KERNELS=0 turns off)
     apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
-    kv_dtype = resolve_kv_cache_dtype(args.dtype, device)
+    kv_dtype = spec.resolved.kv_cache_dtype
     blocks = torch.tensor([determine_num_blocks(args, resolved.model_config, device, kv_dtype, model,
                                                 args.tensor_parallel_size)], dtype=torch.int64)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=group)
@@ -80,15 +82,15 @@ def _init(spec: WorkerSpec):
 
 
 def _build_runner(spec: WorkerSpec, resolved, model, config):
-    from tallyserve.runner.model_runner import ModelRunner, resolve_kv_cache_dtype
+    from tallyserve.runner.model_runner import ModelRunner
 
     sc, cc = config.scheduler_config, config.cache_config
     device = torch.device(spec.device)
     runner = ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, device,
-                       resolve_kv_cache_dtype(spec.args.dtype, device), cc.num_host_blocks,
+                       spec.resolved.kv_cache_dtype, cc.num_host_blocks,
                        use_cuda_graph=not spec.args.enforce_eager,
                        max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                       eos_token_ids=spec.eos_token_ids, seed=spec.args.seed,
+                       eos_token_ids=spec.resolved.eos_token_ids, seed=spec.args.seed,
                        use_cascade_attn=not spec.args.disable_cascade_attn)
     runner.kv_connector = None
     if spec.args.kv_transfer_config is not None:  # this rank's own heads, its own NIXL agent
@@ -130,7 +132,7 @@ def _run_step(runner, rank: int, msg: tuple, group=None) -> tuple:
 
 def worker_main(spec: WorkerSpec, conn) -> None:
     """Entry point of a worker process (``conn``: rank 0's pipe to the engine, None elsewhere)."""
-    logging.basicConfig(level=os.environ.get("TALLYSERVE_WORKER_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=envs.TALLYSERVE_WORKER_LOG_LEVEL)
     rank = spec.rank
     try:
         resolved, model, num_blocks, host_blocks, group = _init(spec)

@@ -40,6 +40,8 @@ from typing import Optional
 
 import torch
 
+from tallyserve import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
@@ -66,6 +68,7 @@ _PROBE_MESSAGE = "the error the load-time probe expects"
 _PROBE_SCRIPT = f"""
 import sys
 import torch
+
 torch.ops.load_library(sys.argv[1])
 ops = torch.ops.tallyserve_cpu
 caught = 0
@@ -90,7 +93,7 @@ def load(verbose: bool = False) -> bool:
     with _lock:
         if "ok" in _state:
             return _state["ok"]
-        if os.environ.get("TALLYSERVE_CPU_KERNELS", "1") == "0":
+        if not envs.TALLYSERVE_CPU_KERNELS:
             _state["ok"] = False
             return False
         try:
@@ -113,7 +116,7 @@ def load(verbose: bool = False) -> bool:
             _state["ok"] = False
             return False
         _state["library"] = library = _library_path(library)
-        mode = os.environ.get(PROBE_ENV, "auto").strip().lower()
+        mode = envs.TALLYSERVE_CPU_ERROR_PROBE
         cross, why = _probe(library, force_fail=mode == "fail")
         _state["errors_cross"] = cross
         if cross:

@@ -7,17 +7,18 @@ dtype where the torch reference in layers.py rounds, so the two paths agree with
 On CUDA they are Triton kernels; on the CPU (float32) they are the compiled operators of
 ``kernels/csrc/fused_ops_cpu.cpp`` (a one-sequence decode step spent about a third of its time outside
 the matmuls in these small operators); SiLU-and-multiply stays PyTorch's there.
-``TALLYSERVE_FUSED_KERNELS=0`` turns both off; under ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels in the interpreter (their tests).
+``TALLYSERVE_FUSED_KERNELS=0`` turns both off; under ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels in the
+interpreter (their tests).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from tallyserve.kernels import pdl
+from tallyserve import envs
 
 try:
     import triton
@@ -36,7 +37,7 @@ def _interpret() -> bool:
 def available(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
     """Fused kernels run on CUDA with triton and on the CPU in float32 with the compiled CPU operators,
     unless TALLYSERVE_FUSED_KERNELS=0."""
-    if os.environ.get("TALLYSERVE_FUSED_KERNELS", "1") == "0":
+    if not envs.TALLYSERVE_FUSED_KERNELS:
         return False
     if device.type == "cuda" or _interpret():
         return triton is not None
@@ -82,10 +83,9 @@ def _check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
 
 
 def fuses_kv_write(qkv: torch.Tensor) -> bool:
-    """Whether ``rotary_write_kv_`` runs for ``qkv`` (the Triton kernels: CUDA, or the interpreter), unless
-    TALLYSERVE_FUSED_KV_WRITE=0 (then the attention backend writes the KV rows itself)."""
-    return (triton is not None and not _on_cpu(qkv) and qkv.is_contiguous()
-            and os.environ.get("TALLYSERVE_FUSED_KV_WRITE", "1") != "0")
+    """Whether ``rotary_write_kv_`` runs for ``qkv`` (the Triton kernels: CUDA, or the interpreter; elsewhere
+    the attention backend writes the KV rows itself)."""
+    return triton is not None and not _on_cpu(qkv) and qkv.is_contiguous()
 
 
 if triton is not None:

@@ -25,12 +25,12 @@ the interpreter (its tests).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
 from tallyserve.kernels import pdl
+from tallyserve import envs
 
 try:
     import triton
@@ -48,7 +48,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False  # (the device first: every CPU projection asks)
     if weight.dtype != x.dtype or x.dtype not in _DTYPES:
         return False
-    if not weight.is_contiguous() or os.environ.get("TALLYSERVE_TRITON_GEMV", "1") == "0":
+    if not weight.is_contiguous() or not envs.TALLYSERVE_TRITON_GEMV:
         return False
     return True
 
@@ -56,7 +56,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _overrides() -> dict[tuple[int, int], tuple[int, int, int]]:
     """``TALLYSERVE_GEMV_TILES="4096x12288=8,512,4;..."``: (BLOCK_N, BLOCK_K, num_warps) for exact (N, K)
     shapes, for A/B runs of tile choices; anything unparsable is an error (a typo must not pass silently)."""
-    return _parse_tiles(os.environ.get("TALLYSERVE_GEMV_TILES", "").strip())
+    return _parse_tiles(envs.TALLYSERVE_GEMV_TILES)
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,7 +75,8 @@ def _parse_tiles(spec: str) -> dict[tuple[int, int], tuple[int, int, int]]:
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), from sweeps on an H200 over the presets' shapes (bf16, one row): wide
-    outputs (gate/up) take 16 x 256 tiles, Qwen3-8B's 24576 x 4096 16 x 512 (4.37 TB/s against 4.29); long rows (down) 8 x 1024 up to 4096 outputs (Llama-3-8B 4.03 TB/s,
+    outputs (gate/up) take 16 x 256 tiles, Qwen3-8B's 24576 x 4096 16 x 512 (4.37 TB/s against 4.29); long rows
+    (down) 8 x 1024 up to 4096 outputs (Llama-3-8B 4.03 TB/s,
     Qwen3-8B 3.94) and 8 x 512 beyond (Mistral-Nemo's 5120 x 14336: 3.86 TB/s, 3.39 with 8 x 1024); 4096 x 4096
     8 x 1024; the rest 8 x 512."""
     forced = _overrides().get((n, k))

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from tallyserve import envs
+
 try:
     import triton
     import triton.language as tl
@@ -25,7 +27,7 @@ _BLOCK = 2048
 
 
 def available(logits: torch.Tensor) -> bool:
-    if os.environ.get("TALLYSERVE_FUSED_KERNELS", "1") == "0":
+    if not envs.TALLYSERVE_FUSED_KERNELS:
         return False
     if logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return logits.dtype == torch.float32 and _cpu_kernels()

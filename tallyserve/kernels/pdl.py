@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from tallyserve import envs
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,7 @@ _by_device: dict[int, bool] = {}
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` use programmatic dependent launch: NVIDIA compute capability 9.0 or
     later, a Triton with grid dependency control, and TALLYSERVE_PDL not 0."""
-    if not _GDC or device.type != "cuda" or os.environ.get("TALLYSERVE_PDL", "1") == "0":
+    if not _GDC or device.type != "cuda" or not envs.TALLYSERVE_PDL:
         return False
     if torch.version.hip is not None:  # ROCm reports its own capability numbers and has no griddepcontrol
         return False

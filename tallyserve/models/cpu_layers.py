@@ -16,16 +16,20 @@ or on the AVX2 kernel's panels (``sgemm_float32_pays``; every projection's outpu
 
 from __future__ import annotations
 
-import os
+import weakref
 from typing import Optional
 
 import torch
 
+from tallyserve import envs
 from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.backend import check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.models import cpu_products, layers
 
+
+# layer_weights' verdict per model (checked once per model)
+_LAYER_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     """(bfloat16 projections?, the per-layer weights the operator takes, the same with the projections' blocked
@@ -33,7 +37,7 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     LlamaModel) fits it: fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor
     parallelism), the compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once
     per model."""
-    cached = getattr(model, "_cpu_weights", False)
+    cached = _LAYER_WEIGHTS.get(model, False)
     if cached is not False:
         return cached
     from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
@@ -54,7 +58,7 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     bf16 = mm == torch.bfloat16
     fit = None
     if ((mm is None or (bf16 and hasattr(torch.ops.tallyserve_cpu, "gemv_bf16")))
-            and os.environ.get("TALLYSERVE_CPU_DECODE_LAYERS", "1") != "0"
+            and envs.TALLYSERVE_CPU_DECODE_LAYERS
             and model.norm.weight.device.type == "cpu" and model.norm.weight.dtype == torch.float32
             and all(fits(layer) for layer in model.layers)
             and cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "decode_layers")):
@@ -70,7 +74,7 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
                    for i in (1, 2, 4, 5) for w in plain[i]):
                 blocked = [[getattr(w, attr, w) for w in ws] for ws in plain]
         fit = (bf16, plain, blocked)
-    model._cpu_weights = fit
+    _LAYER_WEIGHTS[model] = fit
     return fit
 
 

@@ -7,11 +7,12 @@ once-per-process verdicts on whether a float32 model packs for either (``sgemm_f
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.nn.functional as F
+
+from tallyserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def sgemm_float32_pays() -> bool:
     2-core machine its answer changed from one process to the next.)"""
     if _sgemm_f32:
         return _sgemm_f32[0]
-    forced = os.environ.get("TALLYSERVE_CPU_SGEMM", "auto").strip().lower()
+    forced = envs.TALLYSERVE_CPU_SGEMM
     want = forced == "1" if forced in ("0", "1") else torch.backends.cpu.get_cpu_capability() == "AVX2"
     verdict = want and pack_sgemm_weight(torch.zeros(16, 16))
     _sgemm_f32.append(verdict)
@@ -87,7 +88,7 @@ def onednn_float32_pays() -> bool:
     faster at 1-256 rows (lm_head, 64 rows: 37 -> 20 ms), where ATen's matmul took its slower code path."""
     if _onednn_f32:
         return _onednn_f32[0]
-    forced = os.environ.get("TALLYSERVE_CPU_ONEDNN_FP32", "auto").strip().lower()
+    forced = envs.TALLYSERVE_CPU_ONEDNN_FP32
     if forced in ("0", "1"):
         verdict = forced == "1"
     else:

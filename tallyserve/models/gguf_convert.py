@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tallyserve import envs
+
 logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
@@ -55,7 +57,7 @@ _GLOBAL_NAMES = {
 
 
 def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
+    env = envs.TALLYSERVE_CACHE_DIR
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tallyserve"
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from tallyserve.models.bundled import BUNDLED_ALIASES, BUNDLED_SERVED_NAME, bundled_gguf_path
 from tallyserve.models.layers import ShardSpec
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.config.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def _load_safetensors(model: nn.Module, files: tuple[str, ...]) -> None:
 def _check_tp_args(config: ModelConfig, tp_rank: int, tp_size: int) -> None:
     """tp_size fits the model, tp_rank is in range, and they agree with an initialized group."""
     from tallyserve.distributed import parallel_state
-    from tallyserve.models.llama import check_tensor_parallel
+    from tallyserve.config.model import check_tensor_parallel
 
     check_tensor_parallel(config, tp_size)
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:

@@ -48,6 +48,8 @@ from typing import Callable, Optional
 
 import torch
 
+from tallyserve import envs
+
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.5
@@ -185,9 +187,8 @@ def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
     """The compiled kernels' task-pool setter (``cpu_kernels.set_task_pool_threads``: a count outside the pool's range
     is a ValueError, never the kernel's own check) where ``model``'s
     projections run on tallyserve's AVX2 product (``pack_cpu_weights(kernel="sgemm")``), so the forward's heavy
-    operators (products, attention, norms) are the kernels' own; None otherwise, or with
-    ``TALLYSERVE_CPU_TASK_POOL=0``."""
-    if getattr(model, "cpu_products", None) != "sgemm" or os.environ.get("TALLYSERVE_CPU_TASK_POOL", "1") == "0":
+    operators (products, attention, norms) are the kernels' own; None otherwise."""
+    if getattr(model, "cpu_products", None) != "sgemm":
         return None
     from tallyserve.kernels import cpu_kernels
 
@@ -204,7 +205,7 @@ class CpuThreadGovernor:
         """``task_pool``: sets the compiled kernels' task pool to n threads (0: off), given when the forward's heavy
         operators run on them (``cpu_task_pool``); while sharing the cores, the forward then runs on the pool and
         ATen on one thread, at every step size."""
-        setting = os.environ.get("TALLYSERVE_CPU_THREADS", "auto").strip().lower()
+        setting = envs.TALLYSERVE_CPU_THREADS
         self._start_threads = torch.get_num_threads()  # restored by close(): the count is process-wide
         self.max_threads = max_threads or torch.get_num_threads()
         self.enabled = setting == "auto"

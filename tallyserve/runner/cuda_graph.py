@@ -19,14 +19,15 @@ rows [0, B) are returned (final-norm hidden states; the runner computes logits o
 Buckets up to ``LOGITS_MAX_BATCH`` also compute the logits inside the graph when the runner is given
 ``compute_logits`` (the lm_head and the float32 cast then replay with the body: two launches fewer, and
 the lm_head's dependent launch overlaps the final norm); their static logits stay small
-(``LOGITS_MAX_BATCH`` rows of the vocabulary). ``TALLYSERVE_GRAPH_LOGITS=0`` keeps the lm_head eager.
+(``LOGITS_MAX_BATCH`` rows of the vocabulary).
 
 The attention backend must read lengths only from device tensors (``supports_cuda_graph``); the
 capture-time metadata carries ``max_seq_len = max_model_len`` so host-side choices (e.g. the decode
 split count) hold for every replay. With cascade attention (``cascade=True``) buckets of at least
 ``CASCADE_MIN_REQS`` get a second graph whose attention splits each request's context into the prefix
 all requests share (its length in the static ``prefix_kv_lens``, bound ``max_model_len`` at capture)
-and the request's own keys; a step whose metadata has ``common_prefix_len`` replays that one. The KV caches are captured by address: they must not be
+and the request's own keys; a step whose metadata has ``common_prefix_len`` replays that one. The KV caches are
+captured by address: they must not be
 reallocated afterwards.
 
 ``graph_factory`` is injectable: on CUDA it records real graphs; tests on the CPU pass a factory
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from typing import Any, Callable, Optional, Protocol
 
@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from tallyserve.attention.metadata import CASCADE_MIN_REQS, AttentionMetadata
-from tallyserve.runner.forward_batch import graph_input_arrays, pack
+from tallyserve.runner.forward_batch import graph_input_arrays
+from tallyserve.runner.host_tensors import pack
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +283,7 @@ def make_graph_runner(
 ) -> Optional[CudaGraphRunner]:
     """A captured CudaGraphRunner when the device is CUDA and the model's attention backend can be
     captured; None otherwise (the runner then stays eager). Small buckets capture the logits too,
-    unless the model is tensor-parallel (its logits are gathered across ranks) or
-    TALLYSERVE_GRAPH_LOGITS=0."""
+    unless the model is tensor-parallel (its logits are gathered across ranks)."""
     if device.type != "cuda":
         return None
     backend = getattr(model, "attn_backend", None)
@@ -293,7 +293,7 @@ def make_graph_runner(
         return None
     max_blocks = -(-max_model_len // block_size)
     logits_fn = None
-    if getattr(model, "tp_size", 1) == 1 and os.environ.get("TALLYSERVE_GRAPH_LOGITS", "1") != "0":
+    if getattr(model, "tp_size", 1) == 1:
         logits_fn = getattr(model, "compute_logits", None)
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_blocks, device, dtype, block_size,
                              max_seq_len=max_model_len, cascade=cascade, compute_logits=logits_fn)

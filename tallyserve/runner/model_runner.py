@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional, Sequence
 
 import numpy as np
@@ -14,67 +13,19 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, default_max_num_batched_tokens
 from tallyserve.core.kv_cache_manager import KVCopy, KVTransfers, cdiv
 from tallyserve.models.cpu_products import onednn_float32_pays, sgemm_float32_pays
-from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
+from tallyserve.config.device import resolve_dtype, resolve_matmul_dtype
+from tallyserve.config.model import ModelConfig, kv_bytes_per_token
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.runner.forward_batch import ForwardBatch
 from tallyserve.runner.memory import kv_budget_bytes
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
 from tallyserve.runner.prompt_logprobs import compute_prompt_logprobs
 from tallyserve.runner.rejection_sampler import verify_drafts
-from tallyserve.runner.sampler import Sampler, host_tensor
-from tallyserve.structured_output.bitmask import apply_grammar_bitmask
+from tallyserve.runner.host_tensors import host_tensor
+from tallyserve.runner.sampler import Sampler
+from tallyserve.runner.grammar_mask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto``: $TALLYSERVE_DEVICE when set (e.g. ``cpu`` on a CUDA machine), else CUDA if available."""
-    if name == "auto":
-        name = os.environ.get("TALLYSERVE_DEVICE") or "auto"
-        if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-            raise ValueError(f"TALLYSERVE_DEVICE must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} was requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The model's dtype: its activations, norms, attention and KV cache. bf16 by default on GPU, float32 on
-    CPU (exact parity and fast CPU kernels). On the CPU, "bfloat16" keeps float32 here and stores the
-    projections in bfloat16 instead (``resolve_matmul_dtype``)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu" and _DTYPES[name] == torch.bfloat16:
-        return torch.float32
-    return _DTYPES[name]
-
-
-def resolve_matmul_dtype(name: str, device: torch.device) -> Optional[torch.dtype]:
-    """The dtype of the projections' weights and matmuls when it differs from the model's, else None.
-    On the CPU, dtype="bfloat16" means bfloat16 weights and matmuls (AMX / AVX512-BF16 where the CPU has them,
-    3-7x the float32 matmul rate from 64 rows on) under float32 norms, RoPE, attention and KV cache: half the
-    weight memory, and no bfloat16 rounding of the residual stream or the cache."""
-    if device.type == "cpu" and name in _DTYPES and _DTYPES[name] == torch.bfloat16:
-        return torch.bfloat16
-    return None
-
-
-def resolve_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's, except on the CPU with dtype="bfloat16", whose cache is bfloat16 too
-    (half the bytes that decode attention reads; keys and values are rounded once, when written)."""
-    return torch.bfloat16 if resolve_matmul_dtype(name, device) == torch.bfloat16 else resolve_dtype(name, device)
-
 
 def apply_matmul_dtype(model, name: str, device: torch.device) -> None:
     """``model.set_matmul_dtype`` when ``resolve_matmul_dtype`` asks for one (after ``enable_fused_kernels``); a
@@ -163,10 +114,10 @@ def warm_up_full_budget(model: nn.Module, args: EngineArgs, model_config: ModelC
     """On CUDA, once the KV pool exists: one more forward of a full token budget, so that the caching
     allocator already holds the activation blocks of a full prefill step and cuBLAS has chosen its kernels for
     those row counts before the first request (the profiling forward's blocks went back to the driver when
-    the pool was sized). Returns whether it ran; TALLYSERVE_WARMUP_FORWARD=0 skips it. Out of memory here is
+    the pool was sized). Returns whether it ran. Out of memory here is
     logged, not raised: the engine serves as it would have without it. Single-process engines only: a tensor
     parallel rank that ran out of memory here would leave the others waiting in its all-reduces."""
-    if device.type != "cuda" or os.environ.get("TALLYSERVE_WARMUP_FORWARD", "1") == "0":
+    if device.type != "cuda":
         return False
     try:
         _full_budget_forward(model, args, model_config, device)
@@ -254,9 +205,8 @@ class ModelRunner:
         self.use_cascade_attn = use_cascade_attn and getattr(getattr(model, "attn_backend", None),
                                                              "supports_cascade", False)
         # CPU: steps where only some rows are sampled run the model's last layer for those rows alone, once every
-        # row's K/V is written (ForwardBatch.output_rows); TALLYSERVE_OUTPUT_ROWS=0 runs it for every row
-        self.output_rows = (device.type == "cpu" and getattr(model, "supports_output_rows", False)
-                            and os.environ.get("TALLYSERVE_OUTPUT_ROWS", "1") != "0")
+        # row's K/V is written (ForwardBatch.output_rows)
+        self.output_rows = device.type == "cpu" and getattr(model, "supports_output_rows", False)
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
@@ -384,7 +334,7 @@ class ModelRunner:
                         raw[row:row + n].index_fill_(1, host_tensor(banned, logits.device), float("-inf"))
             gen = self._generator(e)
             if e.num_draft_tokens:
-                gen = gen or self.sampler._shared_generator(logits.device)
+                gen = gen or self.sampler.shared_generator(logits.device)
                 step.resolved[e.request_id] = verify_drafts(logits[row:row + n], e.draft_token_ids, e.sampling_params,
                                                             gen, draft_probs.get(e.request_id))
             else:

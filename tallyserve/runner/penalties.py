@@ -176,7 +176,7 @@ def process_logits(logits: torch.Tensor, rows: list[ProcessRow],
     """A processed copy of ``logits`` (all rows; only ``rows`` change), built on the device
     without waiting for it. ``inflight_tokens``: the in-flight step's sampled tokens, for rows
     with a placeholder."""
-    from tallyserve.runner.sampler import host_tensor
+    from tallyserve.runner.host_tensors import host_tensor
 
     device = logits.device
     vocab = logits.shape[1]
@@ -260,7 +260,7 @@ def _pad(seqs: list[np.ndarray], fill: int = -1) -> np.ndarray:
 def _placeholder_column(rows: list[ProcessRow], inflight_tokens: Optional[torch.Tensor],
                         device: torch.device) -> Optional[torch.Tensor]:
     """(R, 1) the in-flight token of rows with a placeholder, -1 elsewhere; None if no row has one."""
-    from tallyserve.runner.sampler import host_tensor
+    from tallyserve.runner.host_tensors import host_tensor
 
     if inflight_tokens is None or all(pr.placeholder < 0 for pr in rows):
         return None
@@ -272,7 +272,7 @@ def _placeholder_column(rows: list[ProcessRow], inflight_tokens: Optional[torch.
 def _output_tails(rows: list[ProcessRow], width: int, inflight_tokens: Optional[torch.Tensor],
                   device: torch.device) -> torch.Tensor:
     """(R, width): each row's last ``width`` output tokens, right-aligned, -2 where fewer."""
-    from tallyserve.runner.sampler import host_tensor
+    from tallyserve.runner.host_tensors import host_tensor
 
     has = [pr.placeholder >= 0 and inflight_tokens is not None for pr in rows]
     host_w = width - 1 if any(has) else width

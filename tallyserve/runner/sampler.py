@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-from tallyserve.runner.forward_batch import upload_arrays
+from tallyserve.runner.host_tensors import host_tensor
 from tallyserve.sampling_params import SamplingParams
 
 # q is clamped away from 0 so that p / q stays finite (p <= 1, so p / 1e-30 cannot overflow).
@@ -26,13 +25,6 @@ _MIN_EXPONENTIAL = 1e-30
 
 
 MAX_TEMPERATURE = 1e30
-
-
-def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A small tensor of host values on ``device`` without waiting for the device. A plain
-    ``torch.tensor(values, device="cuda")`` copies from pageable memory and synchronizes the stream,
-    which would stall async scheduling; this goes through the batch builder's pinned, non-blocking upload."""
-    return upload_arrays([np.asarray(values)], dtype, torch.device(device))[0]
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -168,7 +160,7 @@ class Sampler:
         if generator is not None:
             self._shared[_device_key(generator.device)] = generator
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         key = _device_key(device)
         if key not in self._shared:
             gen = torch.Generator(device=device)
@@ -261,7 +253,7 @@ class Sampler:
             u[j].uniform_(generator=generators[rows[j]])
         if shared:
             draw = torch.empty((len(shared), probs.shape[1]), device=device, dtype=probs.dtype)
-            draw.uniform_(generator=self._shared_generator(device))
+            draw.uniform_(generator=self.shared_generator(device))
             u[host_tensor(shared, device)] = draw
         q = u.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
         return (probs / q).argmax(dim=-1)

@@ -67,7 +67,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: Optional[str] = None, enable_f
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         engine.start()
-        engine.engine.structured.manager.warm_up()  # the grammar compile worker this process validates with
+        engine.structured.warm_up()  # the grammar compile worker this process validates with
         yield
         engine.draining = True
         ctx.close()

@@ -15,7 +15,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tallyserve.cli import add_engine_args, engine_args_from
+from tallyserve.config.args import add_engine_args, engine_args_from
 from tallyserve.server.tool_parsers import tool_parser_names
 
 logger = logging.getLogger("tallyserve.server")
@@ -241,17 +241,11 @@ def serve_worker_node(ns: argparse.Namespace) -> int:
     """`--node-rank R > 0`: run this node's tensor-parallel workers only (node 0 runs the scheduler
     and the server); return when they exit (node 0 shut down) or on SIGTERM / Ctrl-C."""
     from tallyserve.executor.multiproc import init_method, spawn_workers
-    from tallyserve.models.llama import check_tensor_parallel
-    from tallyserve.models.loader import resolve_model
-    from tallyserve.runner.model_runner import resolve_device, resolve_dtype
+    from tallyserve.executor.resolve import resolve_engine
 
-    args = engine_args_from(ns)
-    args.validate()
-    resolved = resolve_model(args.model, args.load_format)
-    check_tensor_parallel(resolved.model_config, args.tensor_parallel_size)
-    device = resolve_device(args.device)
-    eos = tuple(resolved.model_config.eos_token_ids)  # only rank 0 (on node 0) samples
-    procs, _ = spawn_workers(args, device, resolve_dtype(args.dtype, device), eos, init_method(args))
+    resolved, _ = resolve_engine(engine_args_from(ns), load_tokenizer=False)  # only rank 0 (on node 0) samples
+    args = resolved.args
+    procs, _ = spawn_workers(resolved, init_method(args))
     logger.info("node %d: running tensor-parallel ranks %s for %s", args.node_rank,
                 [p.name for p in procs], args.dist_init_addr)
 
@@ -271,8 +265,8 @@ def serve_worker_node(ns: argparse.Namespace) -> int:
 
 
 def build_engine(ns: argparse.Namespace):
-    """The server's engine: the step loop in the engine core process behind an EngineCoreClient
-    (frontend multiprocessing, the default), or in a thread of this process (AsyncLLMEngine:
+    """The server's AsyncLLMEngine: the step loop in the engine core process (MPClient: frontend
+    multiprocessing, the default), or on a thread of this process (InprocClient:
     --disable-frontend-multiprocessing, and disaggregated serving, whose KV connector the server uses)."""
     args = engine_args_from(ns)
     limits = dict(stall_timeout=ns.stall_timeout, max_queue_len=ns.max_queue_len,
@@ -283,14 +277,9 @@ def build_engine(ns: argparse.Namespace):
             raise ValueError("--kv-transfer-config (disaggregated serving) needs the in-thread engine: "
                              "drop --enable-frontend-multiprocessing")
         in_process = False
-    if in_process is None or in_process:
-        from tallyserve.engine.core_client import EngineCoreClient
-
-        return EngineCoreClient(args, **limits)
     from tallyserve.engine.async_engine import AsyncLLMEngine
-    from tallyserve.engine.llm_engine import LLMEngine
 
-    return AsyncLLMEngine(LLMEngine(args), **limits)
+    return AsyncLLMEngine.from_engine_args(args, frontend_multiprocessing=in_process is None or in_process, **limits)
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -302,8 +291,8 @@ def serve(ns: argparse.Namespace) -> int:
     from tallyserve.server.app import build_app
 
     engine = build_engine(ns)
-    if engine.engine.kv_connector is not None:  # the address consumers pull this instance's KV from
-        engine.engine.kv_connector.advertise(ns.host, ns.port)
+    if engine.kv_connector is not None:  # the address consumers pull this instance's KV from
+        engine.kv_connector.advertise(ns.host, ns.port)
     app = build_app(engine, api_key=ns.api_key, enable_fault_injection=ns.enable_fault_injection,
                     max_request_body_bytes=ns.max_request_body_bytes, enable_docs=not ns.disable_docs,
                     trust_request_chat_template=ns.trust_request_chat_template,

@@ -48,7 +48,7 @@ def _has_invalid_unicode(value: Any) -> bool:
     return False
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @field_validator("*")
@@ -87,12 +87,12 @@ def check_metadata(value: Any) -> Optional[dict[str, str]]:
     return value
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False  # vLLM's; only false is supported (a 400 otherwise)
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Fields the completions and chat completions requests share. Undeclared fields are kept
     (`model_extra`) for serving.check_unsupported(); `catalogue` names its fields.py catalogue."""
 
@@ -187,7 +187,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class FaultRequest(_Request):
+class FaultRequest(RequestModel):
     # handler_exception: the handler itself raises (an unexpected error, not an engine fault)
     kind: Literal["step_exception", "kill_loop", "stall", "handler_exception"]
     seconds: Optional[float] = Field(default=1.0, ge=0, le=600)
@@ -425,7 +425,7 @@ class ErrorResponse(_Response):
 # ----------------------------------------------------------------------------- tokenizer endpoints (vLLM's shapes)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """POST /tokenize: either `prompt` (completion style) or `messages` (through the chat template),
     as vLLM's TokenizeCompletionRequest / TokenizeChatRequest. `add_special_tokens` defaults to
     true for a prompt and false for messages (the template places its own special tokens); with
@@ -450,7 +450,7 @@ class TokenizeResponse(_Response):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: Optional[str] = None
     tokens: list[int]
 

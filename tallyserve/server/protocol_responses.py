@@ -15,14 +15,14 @@ from typing import Any, Optional, Union
 from pydantic import ConfigDict, field_validator
 
 from tallyserve.server.errors import bad_request
-from tallyserve.server.protocol import _Request, check_metadata, now
+from tallyserve.server.protocol import RequestModel, check_metadata, now
 
 
 def response_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: Optional[str] = None

@@ -8,7 +8,7 @@ import inspect
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from fastapi.responses import StreamingResponse
 
@@ -17,6 +17,9 @@ from tallyserve.outputs import CompletionOutput
 from tallyserve.server import errors
 from tallyserve.server.errors import APIError
 from tallyserve.server.serving import ServerContext
+
+if TYPE_CHECKING:
+    from tallyserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

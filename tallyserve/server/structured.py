@@ -122,7 +122,7 @@ async def check_compiles(engine: Any, params: SamplingParams) -> None:
     so = params.structured_outputs
     if so is None:
         return
-    manager = engine.engine.structured.manager  # thread-safe; nothing here blocks the event loop
+    manager = engine.structured  # thread-safe; nothing here blocks the event loop
     try:
         ticket = manager.submit(so)
     except ValueError as exc:

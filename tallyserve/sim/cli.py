@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from tallyserve.bench.workloads import add_workload_args, workload_from_args
 from tallyserve.config import EngineArgs, EngineConfig
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.config.model import ModelConfig
 
 # Named scenarios: defaults for flags the user did not give.
 SCENARIOS = {
@@ -75,7 +75,7 @@ def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
 def engine_config_for(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> EngineConfig:
     """ValueError for bad arguments, a tensor_parallel_size the model cannot be split over
     (check_tensor_parallel, as the engine checks it), or weights that leave no KV block."""
-    from tallyserve.models.llama import check_tensor_parallel
+    from tallyserve.config.model import check_tensor_parallel
 
     args.validate()
     if getattr(args, "speculative_config", None) is not None:
@@ -97,7 +97,7 @@ def _apply_scenario(ns: argparse.Namespace) -> None:
 
 def _cmd_simulate(ns: argparse.Namespace) -> int:
     from tallyserve.bench.report import build_result, plot, print_report, write_json
-    from tallyserve.cli import engine_args_from
+    from tallyserve.config.args import engine_args_from
     from tallyserve.sim.cost_model import load_cost_model
     from tallyserve.sim.simulator import SimOptions, Simulator
 
@@ -145,7 +145,7 @@ def _tp_stats(cost, tp: int) -> dict:
 
 
 def register(sub) -> None:
-    from tallyserve.cli import add_engine_args as _add_engine_args
+    from tallyserve.config.args import add_engine_args as _add_engine_args
 
     p = sub.add_parser("simulate", help="replay a workload through the real scheduler with a cost model",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

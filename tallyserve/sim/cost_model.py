@@ -29,7 +29,7 @@ import numpy as np
 
 from tallyserve.attention.metadata import CASCADE_MIN_REQS, cascade_prefix_len
 from tallyserve.core.sched_output import SchedulerOutput
-from tallyserve.models.model_config import ModelConfig, kv_bytes_per_token
+from tallyserve.config.model import ModelConfig, kv_bytes_per_token
 from tallyserve.runner.forward_batch import block_table
 
 BF16_BYTES = 2
@@ -154,7 +154,7 @@ class ModelShape:
     @classmethod
     def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1) -> "ModelShape":
         """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks."""
-        from tallyserve.models.llama import check_tensor_parallel
+        from tallyserve.config.model import check_tensor_parallel
 
         tp = tensor_parallel_size
         check_tensor_parallel(mc, tp)
@@ -261,7 +261,7 @@ def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_si
     "link_bandwidth", "collective_latency_s"}), or a profile JSON written by `tallyserve profile`.
     `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's. ValueError for
     a tensor_parallel_size the model cannot be split over, or > 1 with a profile."""
-    from tallyserve.models.llama import check_tensor_parallel
+    from tallyserve.config.model import check_tensor_parallel
 
     check_tensor_parallel(model_config, tensor_parallel_size)
     if hardware in HARDWARE:

@@ -68,5 +68,5 @@ class CostModelExecutor(Executor):
 
     def launch(self, so: SchedulerOutput, prepared: _Counted, prev: Optional[_Done],
                draft_probs: Optional[dict[str, torch.Tensor]] = None) -> _Done:
-        now = self.sim._record_step(so, overlapped=prev is not None)  # prev: the step still in flight
-        return _Done(ModelRunnerOutput(self.sim._sample(so, now)))
+        now = self.sim.record_step(so, overlapped=prev is not None)  # prev: the step still in flight
+        return _Done(ModelRunnerOutput(self.sim.sample(so, now)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.config.model import ModelConfig
 from tallyserve.sim.cost_model import HARDWARE, ModelShape, StepShape, transfer_time
 
 

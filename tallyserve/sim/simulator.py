@@ -161,7 +161,7 @@ class Simulator:
         self._advance(live.conv, now)
 
     # ----------------------------------------------------------------- one step
-    def _record_step(self, so: SchedulerOutput, overlapped: bool = False) -> float:
+    def record_step(self, so: SchedulerOutput, overlapped: bool = False) -> float:
         """Price a launched step on the virtual clock; returns when it ends. ``overlapped``: it was
         launched while the step before was still in flight (async scheduling), so its host part ran
         during that step's device part; a step launched with nothing in flight pays both in turn."""
@@ -177,7 +177,7 @@ class Simulator:
         self.peak_blocks = max(self.peak_blocks, kv.num_total_blocks - kv.num_free_blocks)
         return self.now
 
-    def _sample(self, so: SchedulerOutput, now: float) -> dict[str, list[TokenSample]]:
+    def sample(self, so: SchedulerOutput, now: float) -> dict[str, list[TokenSample]]:
         """Synthetic tokens for the rows that sample (first-token and chunk times recorded)."""
         sampled: dict[str, list[TokenSample]] = {}
         token_fn, live = self.opts.token_fn, self._live

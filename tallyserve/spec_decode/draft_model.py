@@ -9,14 +9,21 @@ stay valid, the rest are recomputed on the next proposal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from tallyserve.attention.backend import get_attn_backend
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from tallyserve.models.loader import load_model, resolve_model
 from tallyserve.runner.forward_batch import ForwardBatch
+from tallyserve.runner.model_runner import apply_matmul_dtype
 from tallyserve.runner.rejection_sampler import processed_probs
 from tallyserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tallyserve.config.speculative import SpeculativeConfig
+    from tallyserve.executor.resolve import ResolvedEngine
 
 
 @dataclass
@@ -35,6 +42,22 @@ class _State:
 
 
 class DraftModelProposer:
+    @classmethod
+    def load(cls, cfg: "SpeculativeConfig", target: "ResolvedEngine", num_blocks: int) -> "DraftModelProposer":
+        """The draft model of ``cfg`` on the target's device and dtypes, with a KV cache of ``num_blocks``."""
+        args = target.args
+        resolved = resolve_model(cfg.model, "auto")
+        if resolved.model_config.vocab_size != target.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocab_size ({resolved.model_config.vocab_size}) differs from the "
+                f"target's ({target.model_config.vocab_size}); they must share a tokenizer"
+            )
+        model = load_model(resolved, "auto", target.dtype, target.device, args.seed, get_attn_backend("torch"))
+        apply_matmul_dtype(model, args.dtype, target.device)  # the CPU's dtype="bfloat16": as the target's
+        # its KV cache in the target's cache dtype (bfloat16 with the CPU's bf16 projections)
+        return cls(model, num_blocks, args.block_size, target.device, target.kv_cache_dtype,
+                   cfg.num_speculative_tokens, args.seed)
+
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  num_speculative_tokens: int, seed: int = 0) -> None:
         self.model = model

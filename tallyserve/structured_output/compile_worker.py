@@ -18,11 +18,12 @@ machine's memory fails as an error instead; it dies with its parent (PR_SET_PDEA
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import struct
 import sys
 from typing import Any, BinaryIO, Optional
+
+from tallyserve import envs
 
 _HEADER = struct.Struct("<Q")
 DEFAULT_WORKER_MEMORY = 1 << 30
@@ -98,7 +99,7 @@ def _cap_memory() -> None:
     try:
         import resource
 
-        extra = int(os.environ.get("TALLYSERVE_COMPILE_WORKER_MEMORY", DEFAULT_WORKER_MEMORY))
+        extra = int(envs.TALLYSERVE_COMPILE_WORKER_MEMORY or DEFAULT_WORKER_MEMORY)
         with open("/proc/self/status") as f:
             used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
         resource.setrlimit(resource.RLIMIT_DATA, (used + extra, resource.RLIM_INFINITY))

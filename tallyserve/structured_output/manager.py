@@ -1,4 +1,11 @@
-"""StructuredOutputManager: the engine side of structured outputs.
+"""StructuredOutputManager: the engine core's structured outputs, a public API the engine calls.
+
+- admission: `submit` starts a grammar's compile; a request whose grammar still compiles is `park`ed
+  outside the scheduler and comes back from `ready` (then `take` its grammar and `register` a matcher
+  per sequence); `unpark` on abort;
+- each step: `needs_bitmask` / `bitmask_for` (EngineCore fills the step's rows), `trim_drafts`;
+- after tokens: `after_tokens` says whether the grammar ended (the sequence stops, "stop") or
+  rejected a token (it fails); `forget` when a sequence ends.
 
 It owns the compile cache (one xgrammar tokenizer description for the engine's tokenizer and
 vocabulary) and one grammar matcher per running sequence. Matchers follow the request's sampled
@@ -10,6 +17,7 @@ exact; a matcher that cannot roll back far enough is rebuilt and replayed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -19,7 +27,8 @@ import numpy as np
 import torch
 
 from tallyserve.sampling_params import StructuredOutputsParams
-from tallyserve.structured_output.bitmask import GrammarBitmask, HostBitmaskBuffers
+from tallyserve.core.sched_output import GrammarBitmask
+from tallyserve.structured_output.bitmask import HostBitmaskBuffers
 from tallyserve.structured_output.compiler import CompileTicket, GrammarCompileCache, GrammarKey
 from tallyserve.structured_output.limits import StructuredOutputsLimits
 
@@ -29,6 +38,9 @@ if TYPE_CHECKING:
     from tallyserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# In the engine's stats snapshot: (requests by kind, cache hits), for a front end in another process
+STRUCTURED_STATS_KEY = "structured_output_counts"
 
 
 @dataclass
@@ -58,6 +70,7 @@ class StructuredOutputManager:
         self._cache: Optional[GrammarCompileCache] = None
         self._lock = threading.Lock()
         self.states: dict[str, RequestGrammar] = {}
+        self.parked: dict[str, CompileTicket] = {}  # request id -> its grammar's compile (EngineCore's thread)
         self._json_words: Optional[torch.Tensor] = None
         # One thread fills the rows and one call updates the matchers: at about 1 us per token and per row
         # (256 rows: 0.3 ms each on an H200 host), xgrammar's thread pool and splitting the updates over
@@ -101,6 +114,20 @@ class StructuredOutputManager:
     def stats(self):
         return self._cache.stats if self._cache is not None else None
 
+    def counts(self) -> Optional[tuple[dict[str, int], int]]:
+        """(requests by kind, cache hits), once a structured request built the cache."""
+        stats = self.stats
+        return None if stats is None else (dict(stats.requests), stats.cache_hits)
+
+    def merge_counts(self, requests: dict[str, int], cache_hits: int) -> None:
+        """The engine core's request and cache-hit counts into this (validating) manager's stats, which
+        /metrics reads: a front end's validation compiles count compiles, their time and failures, never
+        requests or hits."""
+        stats = self.stats
+        if stats is not None:
+            stats.requests = dict(requests)
+            stats.cache_hits = cache_hits
+
     def submit(self, params: StructuredOutputsParams) -> CompileTicket:
         """Start compiling (or share the compiled grammar of) ``params``: the caller waits on the
         ticket's future and gives it back with `release` (or takes the grammar with `result`).
@@ -128,6 +155,50 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams, timeout: Optional[float] = None) -> Any:
         """Compile synchronously (for validation before a request is accepted); ValueError if invalid."""
         return self.cache.compile(GrammarKey.of(params), timeout)
+
+    # ----------------------------------------------------------------- admission (EngineCore's calls)
+    def park(self, request_id: str, ticket: CompileTicket) -> None:
+        """Hold a request whose grammar still compiles outside the scheduler (the ledger charges nothing
+        for it) until `ready` hands it back."""
+        self.parked[request_id] = ticket
+
+    def unpark(self, request_id: str) -> bool:
+        """Drop a parked request (aborted): its compile is cancelled if nobody else waits for it.
+        False if it was not parked."""
+        ticket = self.parked.pop(request_id, None)
+        if ticket is None:
+            return False
+        self.release(ticket)
+        return True
+
+    def ready(self, wait_s: float = 0.0) -> list[tuple[str, CompileTicket]]:
+        """The parked requests whose compile finished (or failed), no longer parked; waits up to
+        ``wait_s`` for one when none has (an otherwise idle engine does not spin)."""
+        if not self.parked:
+            return []
+        if wait_s > 0:
+            concurrent.futures.wait([t.future for t in self.parked.values()], timeout=wait_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        done = [(rid, t) for rid, t in self.parked.items() if t.future.done()]
+        for rid, _ in done:
+            del self.parked[rid]
+        return done
+
+    def take(self, ticket: CompileTicket) -> Any:
+        """The ticket's compiled grammar, the ticket given back (ValueError if it did not compile)."""
+        try:
+            return self.result(ticket)
+        finally:
+            self.release(ticket)
+
+    def after_tokens(self, req: "Request") -> tuple[bool, Optional[str]]:
+        """After a sequence's new tokens: (its grammar reached its end, the error if the grammar
+        rejected a token). The engine stops the sequence on the first, fails it on the second."""
+        if req.is_finished() or not self.has(req.request_id):
+            return False, None
+        if not self.sync(req):
+            return False, self.error(req.request_id) or "the grammar rejected a token"
+        return self.is_terminated(req.request_id), None
 
     # ----------------------------------------------------------------- matchers
     def register(self, request_id: str, compiled: Any, kind: str = "") -> None:

@@ -58,6 +58,6 @@ class StructuredOutputCollector(Collector):
 def engine_compile_stats(async_engine: Any) -> Callable[[], Optional[CompileStats]]:
     """The stats getter for an AsyncLLMEngine (None where the engine has no structured outputs)."""
     def get() -> Optional[CompileStats]:
-        hooks = getattr(getattr(async_engine, "engine", None), "structured", None)
-        return hooks.manager.stats if hooks is not None else None
+        manager = getattr(async_engine, "structured", None)
+        return manager.stats if manager is not None else None
     return get

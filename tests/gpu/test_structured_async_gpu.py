@@ -45,7 +45,7 @@ def test_engine_on_cuda_overlaps_grammar_rows_and_matches_sync(tmp_path):
     kw = dict(model=model_dir, block_size=16, dtype="float32", device="cuda")
     want = LLM(async_scheduling=False, **kw).generate(prompts, params)
     llm = LLM(async_scheduling=True, **kw)
-    assert llm.engine.structured.manager._buffers.pin_memory
+    assert llm.engine.structured._buffers.pin_memory
     trace = StepTrace(llm)
     outs = llm.generate(prompts, params)
     assert _tokens(outs) == _tokens(want)

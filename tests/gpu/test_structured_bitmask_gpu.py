@@ -1,4 +1,4 @@
-"""Grammar bitmasks on the GPU (tallyserve/structured_output/bitmask.py): the device path masks
+"""Grammar bitmasks on the GPU (tallyserve/runner/grammar_mask.py): the device path masks
 exactly the tokens the CPU path masks, only on the grammar rows, and queues without waiting for
 the device. Skipped without CUDA."""
 
@@ -9,7 +9,8 @@ import torch
 
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.sampling_params import SamplingParams
-from tallyserve.structured_output.bitmask import GrammarBitmask, allowed_from_bitmask, apply_grammar_bitmask
+from tallyserve.core.sched_output import GrammarBitmask
+from tallyserve.runner.grammar_mask import allowed_from_bitmask, apply_grammar_bitmask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

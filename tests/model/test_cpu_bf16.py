@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tallyserve import LLM, SamplingParams
 from tallyserve.models.layers import linear
-from tallyserve.runner.model_runner import resolve_dtype, resolve_matmul_dtype
+from tallyserve.config.device import resolve_dtype, resolve_matmul_dtype
 from tests.tiny_models import load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 

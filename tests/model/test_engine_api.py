@@ -174,7 +174,7 @@ def test_cli_generate(model_dir, capsys):
 
 
 def test_device_auto_follows_tallyserve_device(monkeypatch):
-    from tallyserve.runner.model_runner import resolve_device
+    from tallyserve.config.device import resolve_device
 
     monkeypatch.setenv("TALLYSERVE_DEVICE", "cpu")
     assert resolve_device("auto").type == "cpu"

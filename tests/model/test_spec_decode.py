@@ -9,7 +9,7 @@ import torch
 
 from tallyserve import LLM, SamplingParams
 from tallyserve.runner.rejection_sampler import processed_probs, verify_drafts
-from tallyserve.spec_decode.config import SpeculativeConfig
+from tallyserve.config.speculative import SpeculativeConfig
 from tallyserve.spec_decode.ngram import NgramProposer
 from tests.tiny_models import make_tiny_model
 

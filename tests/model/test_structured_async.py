@@ -232,7 +232,7 @@ def test_a_failed_bitmask_fill_fails_its_step_and_the_engine_goes_on(model_dir):
     with the error, the engine keeps stepping, later requests are valid, and the ledger and the KV cache
     stay exact."""
     llm = LLM(model=model_dir, block_size=4, async_scheduling=True)
-    manager = llm.engine.structured.manager
+    manager = llm.engine.structured
     bitmask_for, state = manager.bitmask_for, {"calls": 0}
 
     def flaky(so, requests):
@@ -257,7 +257,7 @@ def test_a_failed_bitmask_fill_fails_its_step_and_the_engine_goes_on(model_dir):
 @pytest.fixture(scope="module")
 def manager(model_dir):
     """The engine's structured-output manager and a looping grammar compiled by it."""
-    m = LLM(model=model_dir, block_size=4).engine.structured.manager
+    m = LLM(model=model_dir, block_size=4).engine.structured
     return m, m.compile(StructuredOutputsParams(grammar=EBNF))
 
 
@@ -270,7 +270,7 @@ def test_batched_matcher_advance_equals_replaying_each_sequence(manager, data):
     import xgrammar as xgr
 
     from tallyserve.request import Request
-    from tallyserve.structured_output.bitmask import allowed_from_bitmask
+    from tallyserve.runner.grammar_mask import allowed_from_bitmask
 
     m, compiled = manager
     params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar=EBNF))

@@ -18,7 +18,7 @@ from tallyserve import LLM, SamplingParams, StructuredOutputsParams
 from tallyserve.config import EngineArgs
 from tallyserve.engine.llm_engine import LLMEngine
 from tallyserve.structured_output import compile_pool
-from tallyserve.structured_output.bitmask import allowed_from_bitmask, mask_rows
+from tallyserve.runner.grammar_mask import allowed_from_bitmask, mask_rows
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -196,7 +196,7 @@ def test_compiling_request_waits_outside_the_scheduler(model_dir, monkeypatch):
     gate = _gate_compiles(monkeypatch)
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     engine.add_request("g", "Numbers: 4", _params(_so(regex=REGEX)))
-    while "plain" in engine._parents:
+    while "plain" in engine.output.parents:
         engine.step()
     s = engine.stats()
     assert s["scheduled_tokens"] == len(engine.tokenizer.encode("Hello")) + 2  # nothing for "g"
@@ -215,7 +215,7 @@ def test_abort_while_compiling_cancels_the_compile(model_dir, monkeypatch):
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
     gate = _gate_compiles(monkeypatch)
     engine.add_request("g", "Hi", _params(_so(regex="z+")))
-    future = engine.structured.waiting["g"].future
+    future = engine.structured.parked["g"].future
     engine.abort_request("g")
     outs = engine.step()
     gate.set()
@@ -223,13 +223,13 @@ def test_abort_while_compiling_cancels_the_compile(model_dir, monkeypatch):
     assert not engine.has_unfinished_requests()
     with pytest.raises(compile_pool.CompileCancelledError):  # nobody waited for it any more
         future.result(10)
-    assert engine.structured.manager.stats.cancelled == 1
+    assert engine.structured.stats.cancelled == 1
 
 
 def test_compiles_are_cached_per_constraint(model_dir):
     llm = LLM(model=model_dir, block_size=4)
     llm.generate(PROMPTS, _params(_so(regex=REGEX)))
-    stats = llm.engine.structured.manager.stats
+    stats = llm.engine.structured.stats
     assert stats.compiles == 1 and stats.cache_hits == len(PROMPTS) - 1 and stats.requests == {"regex": 3}
     llm.generate(PROMPTS[:1], _params(_so(regex=REGEX, disable_any_whitespace=True)))
     assert stats.compiles == 2
@@ -261,11 +261,10 @@ def test_device_and_cpu_masking_agree():
 
 
 def test_drafts_are_cut_at_the_first_rejected_token(model_dir):
-    engine = LLMEngine(EngineArgs(model=model_dir, block_size=4))
-    engine.structured.compile_at_add = True  # admitted at once
+    engine = LLMEngine(EngineArgs(model=model_dir, block_size=4), wait_for_grammars=True)  # admitted at once
     engine.add_request("c", "Hi", _params(_so(choice=["abc", "abd"])))
     req = engine.scheduler.requests["c"]
-    mgr = engine.structured.manager
+    mgr = engine.structured
     tok = engine.tokenizer
     a, b, c, x = (tok.encode(ch, add_special_tokens=False)[0] for ch in "abcx")
     assert mgr.trim_drafts(req, [a, b, c, x]) == [a, b, c]

@@ -38,7 +38,7 @@ def _run(path, **kw):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_tokenizer_width_grammar_equals_the_full_width_one(wide_model, monkeypatch, async_scheduling):
     llm, outs = _run(wide_model, async_scheduling=async_scheduling)
-    mgr = llm.engine.structured.manager
+    mgr = llm.engine.structured
     assert (mgr.vocab_size, mgr.grammar_vocab_size) == (640, 256)
     jsonschema.validate(json.loads(outs[0].outputs[0].text), PERSON)
     assert outs[1].outputs[0].text in CHOICES
@@ -49,7 +49,7 @@ def test_tokenizer_width_grammar_equals_the_full_width_one(wide_model, monkeypat
     _check_ledger(llm)
     monkeypatch.setattr(manager_mod, "grammar_vocab_size", lambda tok, vocab, eos: vocab)
     full, want = _run(wide_model, async_scheduling=async_scheduling)
-    assert full.engine.structured.manager.grammar_vocab_size == 640
+    assert full.engine.structured.grammar_vocab_size == 640
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
 
 

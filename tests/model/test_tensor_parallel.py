@@ -303,7 +303,8 @@ def test_dummy_tp2_equals_tp1_sliced(model_dirs):
 
 def test_bad_tp_sizes_raise_before_loading(model_dirs, monkeypatch):
     from tallyserve.models import loader
-    from tallyserve.models.llama import check_tensor_parallel, num_local_kv_heads
+    from tallyserve.config.model import check_tensor_parallel
+    from tallyserve.models.llama import num_local_kv_heads
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read before the tp size was validated")

@@ -215,14 +215,14 @@ def test_a_request_that_breaks_admission_fails_alone(tiny_model_dir, monkeypatch
     """An unexpected exception while adding one request (not a ValueError) ends that request with an
     error; the loop lives on and serves the next request."""
     eng = _engine(tiny_model_dir)
-    real = eng.engine.add_request
+    real = eng.core.engine.add_core_request
 
-    def flaky(request_id, prompt, params, *a, **k):
-        if request_id == "bad":
-            raise TypeError("unexpected type deep in the tokenizer")
-        return real(request_id, prompt, params, *a, **k)
+    def flaky(request):
+        if request.request_id == "bad":
+            raise TypeError("unexpected type deep in the engine")
+        return real(request)
 
-    monkeypatch.setattr(eng.engine, "add_request", flaky)
+    monkeypatch.setattr(eng.core.engine, "add_core_request", flaky)
 
     async def run(rid):
         outs = [o async for o in eng.generate(rid, {"prompt_token_ids": [5, 6, 7]},

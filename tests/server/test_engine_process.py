@@ -234,13 +234,13 @@ def test_health_of_a_running_step_comes_from_the_engine_core(tiny_model_dir):
 
     from tallyserve import SamplingParams
     from tallyserve.config import EngineArgs
-    from tallyserve.engine.core_client import EngineCoreClient
+    from tallyserve.engine.async_engine import AsyncLLMEngine
     from tallyserve.engine.errors import FaultKind
     from tallyserve.engine.health import SEED_SECONDS_PER_TOKEN
 
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    eng = EngineCoreClient(EngineArgs(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8),
-                           stall_timeout=0.5)
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8),
+                                          frontend_multiprocessing=True, stall_timeout=0.5)
     eng.start()
 
     async def final(rid: str, prompt: str):
@@ -270,7 +270,7 @@ def test_health_of_a_running_step_comes_from_the_engine_core(tiny_model_dir):
         assert eng.health().healthy and eng.stats()["num_free_blocks"] == eng.stats()["num_total_blocks"]
     finally:
         eng.shutdown()
-    assert not eng._proc.is_alive() and eng._proc.exitcode == 0
+    assert not eng.core.proc.is_alive() and eng.core.proc.exitcode == 0
 
 
 def test_the_engine_core_process_is_the_default(api_server, thread_server):

@@ -100,14 +100,14 @@ def test_step_far_beyond_its_prediction_is_stalled(tiny_model_dir):
 def test_loop_stuck_outside_a_step_is_stalled(tiny_model_dir):
     """Work pending, no step running, none completed for the stall window: stalled."""
     eng = _engine(tiny_model_dir, stall_timeout=STALL_TIMEOUT_S)
-    real = eng.engine.add_request
+    real = eng.core.engine.add_core_request
 
     def slow_add(*args, **kwargs):
-        eng.engine.add_request = real
+        eng.core.engine.add_core_request = real
         time.sleep(1.5)
         return real(*args, **kwargs)
 
-    eng.engine.add_request = slow_add
+    eng.core.engine.add_core_request = slow_add
 
     async def run():
         return await _poll_health(eng, asyncio.create_task(_final(eng, "r", PROMPTS[0], GREEDY)))

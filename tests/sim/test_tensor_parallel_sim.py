@@ -9,7 +9,7 @@ import pytest
 
 from tallyserve.cli import main
 from tallyserve.config import EngineArgs
-from tallyserve.models.model_config import kv_bytes_per_token
+from tallyserve.config.model import kv_bytes_per_token
 from tallyserve.sim.cli import engine_config_for, load_model_config
 from tallyserve.sim.cost_model import HARDWARE, ModelShape, RooflineCostModel, StepShape, load_cost_model
 

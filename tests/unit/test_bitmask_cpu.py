@@ -10,7 +10,7 @@ import torch
 
 from tallyserve.kernels import cpu_kernels
 from tallyserve.kernels import logits_mask as bitmask_kernel
-from tallyserve.structured_output.bitmask import allowed_from_bitmask
+from tallyserve.runner.grammar_mask import allowed_from_bitmask
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ compiler for the CPU kernels")
 

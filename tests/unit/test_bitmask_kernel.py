@@ -17,7 +17,7 @@ if interpreter_too_old(triton):
 WORKER = r'''
 import json, torch
 from tallyserve.kernels import logits_mask as bitmask_kernel
-from tallyserve.structured_output.bitmask import allowed_from_bitmask, mask_rows
+from tallyserve.runner.grammar_mask import allowed_from_bitmask, mask_rows
 res = {}
 g = torch.Generator().manual_seed(0)
 for name, (rows_total, vocab, words_w, rows) in {

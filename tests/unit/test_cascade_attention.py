@@ -118,7 +118,7 @@ def test_disable_cascade_attn_argument():
 def test_cli_has_disable_cascade_attn():
     import argparse
 
-    from tallyserve.cli import add_engine_args
+    from tallyserve.config.args import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -185,7 +185,7 @@ def test_forward_batch_marks_steps_whose_logits_are_every_row():
 def test_pack_puts_every_dtype_in_one_aligned_buffer():
     """The batch's int64 and int32 arrays travel in one host buffer (one copy to the device); each
     piece starts 16-byte aligned and comes back with its dtype, shape and values."""
-    from tallyserve.runner.forward_batch import pack
+    from tallyserve.runner.host_tensors import pack
 
     arrays = [(np.array([3, -1, 7]), torch.int64), (np.zeros(0, dtype=np.int64), torch.int64),
               (np.array([[1, 2], [3, 4], [5, 6]]), torch.int32), (np.array([2**31 - 1]), torch.int32),

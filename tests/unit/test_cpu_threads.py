@@ -122,8 +122,6 @@ def test_the_task_pool_follows_the_product_kernel(monkeypatch):
     assert cpu_threads.cpu_task_pool(model) is None
     model.cpu_products = "sgemm"
     assert cpu_threads.cpu_task_pool(model) is not None
-    monkeypatch.setenv("TALLYSERVE_CPU_TASK_POOL", "0")
-    assert cpu_threads.cpu_task_pool(model) is None
 
 
 def test_close_gives_the_process_its_thread_count_back(monkeypatch):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -264,19 +265,21 @@ def test_release_openmp_workers_frees_the_calling_threads_pool():
 
 
 def test_async_engine_start_releases_the_builders_pool(monkeypatch):
-    from tallyserve.engine import async_engine
+    from tallyserve.engine import async_engine, core_client, core_loop
 
     calls = []
-    monkeypatch.setattr(async_engine, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+    monkeypatch.setattr(core_client, "release_openmp_workers", lambda: calls.append(threading.get_ident()))
+    monkeypatch.setattr(core_loop.EngineLoop, "run", lambda self: "stopped")
 
     from unittest import mock
 
     idle = mock.MagicMock(tokenizer=None)
     idle.stats.return_value = {}
     eng = async_engine.AsyncLLMEngine(idle)
-    monkeypatch.setattr(eng, "_run", lambda: None)
     eng.start()
-    eng._thread.join(5)
+    deadline = time.monotonic() + 5
+    while eng.core.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert calls == [threading.get_ident()]  # on the thread that built the engine, before the loop runs
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tallyserve.config import CacheConfig, SchedulerConfig
 from tallyserve.core.scheduler import Scheduler
 from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
-from tallyserve.distributed.kv_transfer.scheduling import RemoteKVScheduling
+from tallyserve.core.remote_kv import RemoteKVScheduling
 from tallyserve.request import Request, RequestStatus
 from tallyserve.sampling_params import SamplingParams
 from tests.kv_fake_connector import FakeConnector, remote_params
@@ -199,7 +199,7 @@ def test_sibling_waits_for_the_shared_load_then_hits_its_blocks():
 def test_kv_transfer_config_names_the_bad_key():
     import pytest
 
-    from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+    from tallyserve.config.kv_transfer import KVTransferConfig
 
     cfg = KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}')
     assert cfg.is_consumer and not cfg.is_producer and cfg.kv_load_failure_policy == "recompute"

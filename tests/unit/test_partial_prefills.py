@@ -18,7 +18,6 @@ reference output; the knobs without a threshold change nothing; bad values are V
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -153,7 +152,8 @@ def test_threshold_alone_with_one_partial_slot():
 
 
 def test_engine_args_reach_the_scheduler_and_the_cli():
-    from tallyserve.cli import build_parser, engine_args_from
+    from tallyserve.cli import build_parser
+    from tallyserve.config.args import engine_args_from
     from tallyserve.sim.cli import load_model_config
 
     ns = build_parser().parse_args(["simulate", "--model-config", "llama-3-8b", "--max-num-partial-prefills", "4",

@@ -14,7 +14,8 @@ from tallyserve.server.tool_parsers import JsonArrayToolParser, NamedFunctionPar
 WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2], "note": "a \"quoted\" } brace"}
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
           '}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
-LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}; {"name": "get_time", "parameters": {"tz": "CET"}}'
+LLAMA = ('<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(WEATHER)
+         + '}; {"name": "get_time", "parameters": {"tz": "CET"}}')
 MISTRAL = ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
            '}, {"name": "get_time", "arguments": {"tz": "CET"}}]')
 CASES = {"hermes": (HERMES, "Let me check."), "llama3_json": (LLAMA, None), "mistral": (MISTRAL, "Sure.")}

@@ -44,7 +44,7 @@ def test_full_budget_forward_runs_the_whole_budget_and_writes_no_cache(tiny, mon
     assert bool((seen["cache_after"] == 0).all())
 
 
-def test_warm_up_only_on_cuda_and_only_when_enabled(tiny, monkeypatch):
+def test_warm_up_only_on_cuda(tiny, monkeypatch):
     model, mc = tiny
     args = EngineArgs(model="x", max_num_batched_tokens=32, max_model_len=32, block_size=4, max_num_seqs=4)
     calls = []
@@ -54,9 +54,6 @@ def test_warm_up_only_on_cuda_and_only_when_enabled(tiny, monkeypatch):
     assert calls == []
     assert model_runner.warm_up_full_budget(model, args, mc, torch.device("cuda"))
     assert calls == [torch.device("cuda")]
-    monkeypatch.setenv("TALLYSERVE_WARMUP_FORWARD", "0")
-    assert not model_runner.warm_up_full_budget(model, args, mc, torch.device("cuda"))
-    assert len(calls) == 1
 
 
 def test_warm_up_out_of_memory_is_logged_not_raised(tiny, monkeypatch, caplog):

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+from tallyserve.config.kv_transfer import KVTransferConfig
 
 if TYPE_CHECKING:
     import torch

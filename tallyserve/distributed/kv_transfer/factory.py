@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from tallyserve.distributed.kv_transfer.base import KVConnectorBase, KVTransferParamsError, check_kv_transfer_params
-from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+from tallyserve.config.kv_transfer import KVTransferConfig
 
 
 def make_connector(config: KVTransferConfig, block_size: int, role: str) -> KVConnectorBase:

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tallyserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
-from tallyserve.distributed.kv_transfer.config import KVTransferConfig
+from tallyserve.config.kv_transfer import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 

@@ -98,3 +98,24 @@ def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tensor_parallel_size: 
     replicated head when there are fewer KV heads than ranks."""
     local_kv_heads = max(mc.num_key_value_heads // tensor_parallel_size, 1)
     return 2 * mc.num_hidden_layers * local_kv_heads * mc.head_dim * dtype_bytes
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """ValueError unless ``config`` can be split over ``tp_size`` ranks: tp_size >= 1,
+    num_attention_heads % tp_size == 0, num_key_value_heads % tp_size == 0 when
+    num_key_value_heads >= tp_size (else tp_size % num_key_value_heads == 0: KV heads replicated),
+    intermediate_size % tp_size == 0. Any vocab size works (padded to a multiple of tp_size)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"num_attention_heads ({heads}) is not divisible by it")
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        problems.append(f"num_key_value_heads ({kv_heads}) is not divisible by it")
+    if kv_heads < tp_size and tp_size % kv_heads:
+        problems.append(f"it is not a multiple of num_key_value_heads ({kv_heads}), so KV heads cannot be replicated")
+    if config.intermediate_size % tp_size:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not fit {config.architecture}: " + "; ".join(problems))

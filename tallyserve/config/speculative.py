@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tallyserve.config import json_object_arg
+from tallyserve.config.parse import json_object_arg
 
 METHODS = ("ngram", "draft_model")
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tallyserve.models.model_config import ModelConfig
+from tallyserve.config.kv_transfer import KVTransferConfig
+from tallyserve.config.model import ModelConfig
+from tallyserve.config.parse import json_object_arg  # noqa: F401 - part of this package's interface
+from tallyserve.config.speculative import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
@@ -34,18 +36,6 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int, max_tokens: 
             f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or the completion length.", "max_tokens")
-
-
-def json_object_arg(name: str, value: Any, what: str = "a JSON object") -> dict:
-    """A dict given as a dict or as its JSON text (a flag's value); ValueError naming ``name``."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be {what}, got {type(value).__name__}")
-    return value
 
 
 def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:
@@ -170,8 +160,6 @@ class EngineArgs:
     def validate(self) -> None:
         """Range checks that need no model: run before any weight is loaded."""
         self._validate_parallel()
-        from tallyserve.distributed.kv_transfer.config import KVTransferConfig
-
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
@@ -196,8 +184,6 @@ class EngineArgs:
         timeout = self.structured_outputs_compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"structured_outputs_compile_timeout must be a positive number of seconds, got {timeout!r}")
-        from tallyserve.spec_decode.config import SpeculativeConfig
-
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:

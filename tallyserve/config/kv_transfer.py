@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tallyserve.config import json_object_arg
+from tallyserve.config.parse import json_object_arg
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector", "FakeConnector")
