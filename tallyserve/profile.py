@@ -40,6 +40,10 @@ from tallyserve.core.kv_cache_manager import cdiv
 from tallyserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from tallyserve.request import PLACEHOLDER_TOKEN_ID
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.config.args import add_engine_args
+from tallyserve.engine.llm_engine import LLMEngine
+from tallyserve.config.args import engine_args_from
+from tallyserve.sim.cost_model import StepShape
 
 
 def rows_output(rows: Sequence[tuple[int, int]], block_size: int, num_blocks: int) -> SchedulerOutput:
@@ -161,8 +165,6 @@ def measure_pair_time(engine, tokens: int, repeats: int) -> dict:
     as one request, then split evenly over 2, 4 and 8 (chunks of at least 2 tokens), timed on their
     own; the least-squares slope of step time over ``StepShape.extra_attn_pairs`` (>= 0). The split
     steps also sample up to 8 rows instead of one."""
-    from tallyserve.sim.cost_model import StepShape
-
     cc = engine.config.cache_config
     splits = [k for k in (1, 2, 4, 8) if tokens // k >= 2]
     pairs, times = [], []
@@ -253,9 +255,6 @@ def _ints(text: str) -> list[int]:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    from tallyserve.config.args import engine_args_from
-    from tallyserve.engine.llm_engine import LLMEngine
-
     if ns.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {ns.repeats}")
     engine = LLMEngine(engine_args_from(ns))
@@ -269,8 +268,6 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from tallyserve.config.args import add_engine_args
-
     p = sub.add_parser("profile", help="measure step times over a grid for `simulate --hardware PROFILE.json`",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 128], help="requests per step")

@@ -33,6 +33,7 @@ from tallyserve.engine.input_processor import InputProcessor, PromptType
 from tallyserve.engine.llm_engine import LLMEngine
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.engine.core_client import MPClient
 
 DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
 
@@ -101,8 +102,6 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, args: Any, frontend_multiprocessing: bool = False, **kwargs: Any) -> "AsyncLLMEngine":
         if frontend_multiprocessing:
-            from tallyserve.engine.core_client import MPClient
-
             return cls(MPClient(args, stall_timeout=kwargs.get("stall_timeout", DEFAULT_STALL_TIMEOUT_S)), **kwargs)
         return cls(LLMEngine(args), **kwargs)
 

@@ -19,6 +19,8 @@ import torch
 
 from tallyserve.config import check_prompt_length
 from tallyserve.request import RequestStatus
+from tallyserve.sampling_params import SamplingParams
+from tallyserve.request import Request
 
 if TYPE_CHECKING:
     from tallyserve.core.scheduler import Scheduler
@@ -217,9 +219,6 @@ class BeamSearchDriver:
         self.outputs: dict[str, BeamSearchOutput] = {}
 
     def add(self, group_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
-        from tallyserve.request import Request
-        from tallyserve.sampling_params import SamplingParams
-
         if group_id in self.groups or group_id in self.outputs:
             raise ValueError(f"request id {group_id!r} is already in use")
         check_prompt_length(len(prompt_token_ids), self.scheduler.config.max_model_len, params.max_tokens)

@@ -28,10 +28,10 @@ import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from tallyserve.engine.core_loop import EngineLoop, OutputSink
+from tallyserve.engine.core_loop import EngineInfo, EngineLoop, OutputSink
+from tallyserve.engine.core_proc import run_engine_core
 from tallyserve.engine.errors import EngineDeadError, QueueFullError, RequestRejectedError, StepFailedError
 from tallyserve.engine.health import HEALTH_SLOTS, HealthBoard
 from tallyserve.engine.llm_engine import LLMEngine
@@ -46,28 +46,6 @@ logger = logging.getLogger(__name__)
 _ERRORS = {cls.__name__: cls for cls in (EngineDeadError, RequestRejectedError, StepFailedError, QueueFullError)}
 _KILL_AFTER_S = 2.0  # how long to wait for a killed engine core process to be gone
 _EXIT_GRACE_S = 2.0  # for the engine core process to exit once its loop has stopped
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the front end knows about the engine without touching it."""
-
-    served_model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_logprobs: int
-    max_num_seqs: int
-    block_size: int
-    eos_token_ids: tuple[int, ...]
-    tokenizer_dir: Optional[str]
-    stats: dict
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> "EngineInfo":
-        cfg = engine.config
-        return cls(engine.served_model_name, cfg.scheduler_config.max_model_len, engine.model_config.vocab_size,
-                   cfg.args.max_logprobs, cfg.scheduler_config.max_num_seqs, cfg.cache_config.block_size,
-                   tuple(engine.eos_token_ids), getattr(engine.resolved, "tokenizer_dir", None), engine.stats())
 
 
 class EngineCoreClient(ABC):
@@ -166,8 +144,6 @@ class MPClient(EngineCoreClient):
     """The loop in an engine core process built from ``args`` (an EngineArgs)."""
 
     def __init__(self, args: Any, stall_timeout: Optional[float] = None) -> None:
-        from tallyserve.engine.core_proc import run_engine_core
-
         del stall_timeout  # the front end applies it; the engine core only publishes its health
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self.board = HealthBoard(ctx.RawArray("d", HEALTH_SLOTS))  # lock-free: single writer, float slots

@@ -35,6 +35,28 @@ class BeamRequest:
     params: BeamSearchParams
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front end knows about the engine without touching it."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    max_num_seqs: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_dir: Optional[str]
+    stats: dict
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineInfo":
+        cfg = engine.config
+        return cls(engine.served_model_name, cfg.scheduler_config.max_model_len, engine.model_config.vocab_size,
+                   cfg.args.max_logprobs, cfg.scheduler_config.max_num_seqs, cfg.cache_config.block_size,
+                   tuple(engine.eos_token_ids), getattr(engine.resolved, "tokenizer_dir", None), engine.stats())
+
+
 class OutputSink(Protocol):
     """Where the loop's products go. Called on the loop's thread only."""
 

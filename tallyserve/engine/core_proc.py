@@ -25,8 +25,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from tallyserve.engine.beam_search import BeamSearchOutput
-from tallyserve.engine.core_loop import EngineLoop
+from tallyserve.engine.core_loop import EngineInfo, EngineLoop
 from tallyserve.engine.health import HealthBoard
+from tallyserve.engine.llm_engine import LLMEngine
 from tallyserve.engine.output_delta import DeltaEncoder
 from tallyserve.outputs import RequestOutput
 
@@ -137,9 +138,6 @@ def run_engine_core(args: Any, cmd_conn: Connection, out_conn: Connection, board
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
-    from tallyserve.engine.core_client import EngineInfo
-    from tallyserve.engine.llm_engine import LLMEngine
-
     try:
         engine = LLMEngine(args)
     except BaseException as exc:  # noqa: BLE001 - the server process reports it and exits

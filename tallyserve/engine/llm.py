@@ -12,9 +12,11 @@ from tallyserve.engine.gc_heap import frozen_heap
 from tallyserve.engine.llm_engine import LLMEngine, PromptType
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.engine.beam_search import BeamSearchParams
+from tallyserve.tool_specs import parse_tools
 
 if TYPE_CHECKING:
-    from tallyserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from tallyserve.engine.beam_search import BeamSearchOutput
 
 Params = Union[SamplingParams, Sequence[SamplingParams], None]
 
@@ -26,9 +28,8 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {EngineArgs.field_names()}")
-        # a constraint that does not compile: ValueError in generate()
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), wait_for_grammars=True)
-        self.engine.final_outputs_only = True  # generate() returns finished outputs only
+        # a constraint that does not compile: ValueError in generate(), which returns finished outputs only
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), wait_for_grammars=True, final_outputs_only=True)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -56,8 +57,6 @@ class LLM:
         definitions (OpenAI's `{"type": "function", "function": {...}}`) for the chat template;
         messages may hold assistant `tool_calls` and `tool` results. The output is the model's
         text (parse tool calls from it with a `tallyserve.server.tool_parsers` parser)."""
-        from tallyserve.tool_specs import parse_tools
-
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it cannot apply a chat template")
@@ -108,9 +107,7 @@ class LLM:
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: "BeamSearchParams",
                     use_tqdm: bool = False) -> list["BeamSearchOutput"]:
         """Beam search for each prompt; each output's `sequences` are the best `beam_width`, best first."""
-        from tallyserve.engine.beam_search import BeamSearchParams as _Params
-
-        if not isinstance(params, _Params):
+        if not isinstance(params, BeamSearchParams):
             raise ValueError("beam_search needs a BeamSearchParams")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

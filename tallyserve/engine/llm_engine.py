@@ -28,6 +28,7 @@ from tallyserve.sampling_params import SamplingParams
 from tallyserve.structured_output.compiler import CompileTicket
 from tallyserve.structured_output.limits import StructuredOutputsLimits
 from tallyserve.structured_output.manager import STRUCTURED_STATS_KEY, StructuredOutputManager
+from tallyserve.distributed.kv_transfer.factory import make_connector
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class LLMEngine:
     through the OutputProcessor, advances beam groups and drafts, and admits requests whose grammar
     compiled), `abort_request`. ``wait_for_grammars``: compile a request's grammar in `add_request`
     (the offline LLM: a constraint that does not compile is a ValueError there); otherwise a request
-    waits for its compile outside the scheduler."""
+    waits for its compile outside the scheduler. ``final_outputs_only``: `step` returns the outputs of finished
+    requests only (callers that do not stream skip building the others every step)."""
 
-    def __init__(self, args: EngineArgs, wait_for_grammars: bool = False) -> None:
+    def __init__(self, args: EngineArgs, wait_for_grammars: bool = False, final_outputs_only: bool = False) -> None:
         resolved, self.tokenizer = resolve_engine(args)  # every argument checked before anything loads
         self.resolved = resolved
         mc = self.model_config = resolved.model_config
@@ -66,8 +68,6 @@ class LLMEngine:
         self.runner = getattr(self.executor, "runner", None)  # the in-process ModelRunner, if any (diagnostics)
         self.kv_connector = None  # the scheduler half of disaggregated serving
         if args.kv_transfer_config is not None:
-            from tallyserve.distributed.kv_transfer.factory import make_connector
-
             self.kv_connector = make_connector(args.kv_transfer_config, args.block_size, role="scheduler")
         sc = self.config.scheduler_config
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, sc.max_model_len, args.max_logprobs,
@@ -84,7 +84,8 @@ class LLMEngine:
                                                 self.structured)
         self.core = EngineCore(self.scheduler, self.executor, drafts=self.spec, grammar=self.structured)
         self.beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.eos_token_ids)
-        self.output = OutputProcessor(self.tokenizer, self.scheduler, on_end=self._forget)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, on_end=self._forget,
+                                      final_outputs_only=final_outputs_only)
         # Async scheduling: the next step is scheduled and launched before this one's tokens are
         # read back (not with speculative decoding; beam groups run synchronously).
         self.async_scheduling = args.async_scheduling
@@ -99,15 +100,6 @@ class LLMEngine:
     @fault_injector.setter
     def fault_injector(self, fn: Optional[Callable[[SchedulerOutput], None]]) -> None:
         self.core.fault_injector = fn
-
-    @property
-    def final_outputs_only(self) -> bool:
-        """Offline callers that want only finished outputs skip building the others every step."""
-        return self.output.final_outputs_only
-
-    @final_outputs_only.setter
-    def final_outputs_only(self, value: bool) -> None:
-        self.output.final_outputs_only = value
 
     @property
     def current_step_tokens(self) -> int:

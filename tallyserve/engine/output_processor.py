@@ -137,7 +137,7 @@ class OutputProcessor:
     grammar matcher and its drafts)."""
 
     def __init__(self, tokenizer: Optional[Tokenizer], scheduler: "Scheduler",
-                 on_end: Callable[[str], None]) -> None:
+                 on_end: Callable[[str], None], final_outputs_only: bool = False) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.on_end = on_end
@@ -145,7 +145,7 @@ class OutputProcessor:
         self.seqs: dict[str, SequenceState] = {}
         self.pending: list[RequestOutput] = []  # outputs of requests ended outside a step
         # Offline callers that only want finished outputs skip building the rest every step.
-        self.final_outputs_only = False
+        self.final_outputs_only = final_outputs_only
 
     def add(self, parent: ParentState) -> None:
         for seq in parent.children:

@@ -18,6 +18,7 @@ import torch
 from tallyserve.core.kv_cache_manager import KVTransfers
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.runner.outputs import ModelRunnerOutput
+from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
 
 if TYPE_CHECKING:
     from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
@@ -80,8 +81,6 @@ class Executor(ABC):
         """Disaggregated serving: start the loads of ``metadata`` (KVConnectorMetadata) on the
         workers and return what finished. An executor without a KV connector fails every load
         (the scheduler then recomputes or fails the request, as configured)."""
-        from tallyserve.distributed.kv_transfer.base import KVConnectorOutput
-
         out = KVConnectorOutput()
         for load in getattr(metadata, "loads", ()):
             out.failed_recving[load.request_id] = "this executor has no KV connector"

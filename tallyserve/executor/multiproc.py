@@ -31,6 +31,7 @@ from tallyserve.executor.worker import WorkerSpec, worker_main
 from tallyserve.executor.resolve import ResolvedEngine
 from tallyserve.runner.model_runner import kv_bytes_per_block
 from tallyserve.runner.outputs import ModelRunnerOutput
+from tallyserve.distributed.kv_transfer.base import RankReports
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ class MultiprocExecutor(Executor):
             raise
         logger.info("tensor parallelism: %d workers ready, %d KV blocks per rank", len(procs), num_blocks)
         if args.kv_transfer_config is not None:
-            from tallyserve.distributed.kv_transfer.base import RankReports
-
             ex.kv_ranks = RankReports(args.tensor_parallel_size)
             ex._send(("kv_meta",))
             ex._kv_meta = ex._recv("ok", ex.timeout)[2]

@@ -19,6 +19,7 @@ from tallyserve.runner.model_runner import (ModelRunner, apply_matmul_dtype, det
 from tallyserve.runner.cpu_threads import CpuThreadGovernor, cpu_task_pool, keep_freed_memory
 from tallyserve.runner.memory import record_memory_baseline
 from tallyserve.runner.outputs import AsyncModelRunnerOutput, PendingForward
+from tallyserve.distributed.kv_transfer.factory import make_connector
 
 
 class UniProcExecutor(Executor):
@@ -58,8 +59,6 @@ class UniProcExecutor(Executor):
         warm_up_full_budget(model, args, mc, device)  # CUDA: a full prefill step's memory and kernels, before serving
         connector = None
         if args.kv_transfer_config is not None:
-            from tallyserve.distributed.kv_transfer.factory import make_connector
-
             connector = make_connector(args.kv_transfer_config, args.block_size, role="worker")
         return cls(runner, connector), config
 

@@ -29,6 +29,13 @@ import torch.distributed as dist
 
 from tallyserve.core import ledger
 from tallyserve import envs
+from tallyserve.distributed import parallel_state as ps
+from tallyserve.runner.model_runner import ModelRunner
+from tallyserve.runner.cpu_threads import keep_freed_memory
+from tallyserve.runner.memory import record_memory_baseline
+from tallyserve.runner.model_runner import apply_matmul_dtype, determine_num_blocks, num_host_blocks
+from tallyserve.models.loader import load_model
+from tallyserve.attention.backend import get_attn_backend
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +57,9 @@ class WorkerSpec:
 
 def _init(spec: WorkerSpec):
     """Join the group, load this rank's shard and size its KV pool (the smallest over ranks)."""
-    from tallyserve.attention.backend import get_attn_backend
-    from tallyserve.distributed import parallel_state as ps
-    from tallyserve.models.loader import load_model
-    from tallyserve.runner.model_runner import apply_matmul_dtype, determine_num_blocks, num_host_blocks
-    from tallyserve.runner.memory import record_memory_baseline
-
     args, device = spec.args, torch.device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(spec.num_threads)
-        from tallyserve.runner.cpu_threads import keep_freed_memory
 
         keep_freed_memory()  # large activations reuse freed memory instead of faulting in new pages
     ps.init_tensor_parallel(args.tensor_parallel_size, spec.rank, spec.init_method,
@@ -81,9 +81,8 @@ def _init(spec: WorkerSpec):
     return resolved, model, int(blocks.item()), host_blocks, group
 
 
-def _build_runner(spec: WorkerSpec, resolved, model, config):
-    from tallyserve.runner.model_runner import ModelRunner
-
+def _build_runner(spec: WorkerSpec, resolved, model, config) -> tuple[ModelRunner, Any]:
+    """This rank's runner, and its half of disaggregated serving (None without a KV transfer config)."""
     sc, cc = config.scheduler_config, config.cache_config
     device = torch.device(spec.device)
     runner = ModelRunner(model, resolved.model_config, cc.num_blocks, cc.block_size, device,
@@ -92,18 +91,17 @@ def _build_runner(spec: WorkerSpec, resolved, model, config):
                        max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
                        eos_token_ids=spec.resolved.eos_token_ids, seed=spec.args.seed,
                        use_cascade_attn=not spec.args.disable_cascade_attn)
-    runner.kv_connector = None
+    kv_connector = None
     if spec.args.kv_transfer_config is not None:  # this rank's own heads, its own NIXL agent
         from tallyserve.distributed.kv_transfer.nixl_connector import NixlConnectorWorker
 
-        runner.kv_connector = NixlConnectorWorker(spec.args.kv_transfer_config, cc.block_size, tp_rank=spec.rank)
-        runner.kv_connector.register_kv_caches(runner.kv_caches)
-    return runner
+        kv_connector = NixlConnectorWorker(spec.args.kv_transfer_config, cc.block_size, tp_rank=spec.rank)
+        kv_connector.register_kv_caches(runner.kv_caches)
+    return runner, kv_connector
 
 
-def _kv_step(runner, msg: tuple, group) -> tuple:
+def _kv_step(conn, msg: tuple, group) -> tuple:
     """Disaggregated serving: every rank loads its own heads' KV; rank 0 gathers what finished."""
-    conn = runner.kv_connector
     if msg[0] == "kv_meta":
         mine = conn.metadata()
     else:
@@ -115,10 +113,10 @@ def _kv_step(runner, msg: tuple, group) -> tuple:
     return ("ok", 0, box)
 
 
-def _run_step(runner, rank: int, msg: tuple, group=None) -> tuple:
+def _run_step(runner, kv_connector, rank: int, msg: tuple, group=None) -> tuple:
     kind = msg[0]
     if kind in ("kv", "kv_meta"):
-        return _kv_step(runner, msg, group)
+        return _kv_step(kv_connector, msg, group)
     if kind == "transfers":
         runner.apply_transfers(msg[1])
         return ("ok", 0, None)
@@ -142,21 +140,21 @@ def worker_main(spec: WorkerSpec, conn) -> None:
             config = conn.recv()
         box = [config]
         dist.broadcast_object_list(box, src=0, group=group)
-        runner = _build_runner(spec, resolved, model, box[0])
+        runner, kv_connector = _build_runner(spec, resolved, model, box[0])
         if rank == 0:
             conn.send(("ready",))
     except BaseException as exc:  # noqa: BLE001 - tell the engine why, then exit
         if conn is not None:
             conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
-    _serve(runner, rank, conn, group)
+    _serve(runner, kv_connector, rank, conn, group)
     # Leave without running interpreter teardown: the process group's C++ threads may still be
     # referenced (model layers, the group) and tearing them down at exit can abort the process.
     logging.shutdown()
     os._exit(0)
 
 
-def _serve(runner, rank: int, conn, group) -> None:
+def _serve(runner, kv_connector, rank: int, conn, group) -> None:
     while True:
         box: list[Optional[tuple]] = [None]
         if rank == 0:
@@ -169,12 +167,11 @@ def _serve(runner, rank: int, conn, group) -> None:
         if msg[0] == "shutdown":
             break
         try:
-            reply = _run_step(runner, rank, msg, group)
+            reply = _run_step(runner, kv_connector, rank, msg, group)
         except Exception as exc:  # noqa: BLE001 - the same on every rank: a failed step, not a dead worker
             logger.error("rank %d: step failed", rank, exc_info=exc)
             reply = ("error", type(exc).__name__, str(exc))
         if rank == 0:
             conn.send(reply)
-    from tallyserve.distributed import parallel_state as ps
 
     ps.destroy()

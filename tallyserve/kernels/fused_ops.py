@@ -19,6 +19,7 @@ import torch
 
 from tallyserve.kernels import pdl
 from tallyserve import envs
+from tallyserve.kernels import cpu_kernels
 
 try:
     import triton
@@ -42,8 +43,6 @@ def available(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool
     if device.type == "cuda" or _interpret():
         return triton is not None
     if device.type == "cpu" and dtype in (None, torch.float32):
-        from tallyserve.kernels import cpu_kernels
-
         return cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "add_rms_norm")
     return False
 

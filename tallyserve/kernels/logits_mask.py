@@ -16,6 +16,7 @@ import os
 import torch
 
 from tallyserve import envs
+from tallyserve.kernels import cpu_kernels
 
 try:
     import triton
@@ -37,8 +38,6 @@ def available(logits: torch.Tensor) -> bool:
 
 
 def _cpu_kernels() -> bool:
-    from tallyserve.kernels import cpu_kernels
-
     return cpu_kernels.load()
 
 
@@ -73,7 +72,6 @@ def mask_logits_rows_(logits: torch.Tensor, words: torch.Tensor, rows: torch.Ten
         # hosts, see kernels/cpu_kernels.py); one min/max of the indices
         if logits.dtype != torch.float32 or words.device.type != "cpu":
             raise ValueError("the CPU bitmask takes float32 logits and CPU words")
-        from tallyserve.kernels import cpu_kernels
 
         lo, hi = cpu_kernels.int_bounds(rows)
         if lo < 0 or hi >= logits.shape[0]:

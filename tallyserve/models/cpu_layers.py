@@ -26,6 +26,8 @@ from tallyserve.kernels import cpu_kernels
 from tallyserve.attention.backend import check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.models import cpu_products, layers
+from tallyserve.attention.cpu_sdpa import compiled_decode_plan
+from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 
 
 # layer_weights' verdict per model (checked once per model)
@@ -40,7 +42,6 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     cached = _LAYER_WEIGHTS.get(model, False)
     if cached is not False:
         return cached
-    from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 
     mm = model.matmul_dtype
     wdtype = torch.float32 if mm is None else mm
@@ -98,7 +99,6 @@ def decode_layers(model, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
         projections, weights = 2, blocked
     if weights is None or rows > (layers.CPU_MLP_CHUNK_ROWS_BF16 if bf16 else layers.CPU_MLP_CHUNK_ROWS):
         return None
-    from tallyserve.attention.cpu_sdpa import compiled_decode_plan
 
     attn = model.layers[0].self_attn
     hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim

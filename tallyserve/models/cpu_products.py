@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tallyserve import envs
+from tallyserve.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ def pack_sgemm_weight(weight: torch.Tensor) -> bool:
     """Attach the panels of tallyserve's AVX2 float32 kernel to a float32 CPU weight (``weight.sgemm_packed``, the
     weight's rows 16 at a time, interleaved per input feature), which ``linear`` then multiplies at every row count
     (``sgemm_float32_pays`` decides whether a float32 model packs). False where the kernels lack it."""
-    from tallyserve.kernels import cpu_kernels
-
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu" or not cpu_kernels.load() or \
             not torch.ops.tallyserve_cpu.sgemm_built():
         return False
@@ -121,7 +120,5 @@ def cpu_gemv_serves(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not weight.is_contiguous():
         return False
     if not _gemv_ok:
-        from tallyserve.kernels import cpu_kernels
-
         _gemv_ok.append(bool(cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "gemv_bf16")))
     return _gemv_ok[0]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tallyserve.distributed import parallel_state
-from tallyserve.kernels import gemv
+from tallyserve.kernels import fused_ops, gemv
 from tallyserve.models.cpu_products import CPU_GEMV_MAX_ROWS, cpu_gemv_serves
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -344,8 +344,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            from tallyserve.kernels.fused_ops import silu_mul
-
             rows = x.shape[0]
             piece = CPU_MLP_CHUNK_ROWS_BF16 if self.gate_up_weight.dtype == torch.bfloat16 else CPU_MLP_CHUNK_ROWS
             if x.device.type == "cpu" and self.down_proj.tp_size == 1 and rows > piece:
@@ -354,7 +352,7 @@ class GatedMLP(nn.Module):
                 # 164 ms whole and 120 ms in pieces (float32; bfloat16 40 -> 20 ms).
                 out = None
                 for lo in range(0, rows, piece):
-                    part = self.down_proj(silu_mul(linear(x[lo:lo + piece], self.gate_up_weight)))
+                    part = self.down_proj(fused_ops.silu_mul(linear(x[lo:lo + piece], self.gate_up_weight)))
                     if out is None:
                         out = part.new_empty((rows, part.shape[1]))
                     out[lo:lo + part.shape[0]] = part
@@ -364,7 +362,7 @@ class GatedMLP(nn.Module):
                 # one row on CUDA: the down projection applies SiLU-and-multiply as it loads its input
                 return self.down_proj.reduce(gemv.gemv(gate_up, self.down_proj.weight, silu_mul_input=True))
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
-            return self.down_proj(silu_mul(gate_up))
+            return self.down_proj(fused_ops.silu_mul(gate_up))
         if self.gate_proj.bias is not None:  # a bfloat16 x (dtype="bfloat16"): biases, SiLU-mul in the model's dtype
             x = x.to(self.gate_proj.bias.dtype)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

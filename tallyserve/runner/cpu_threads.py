@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from tallyserve import envs
+from tallyserve.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,6 @@ def cpu_task_pool(model) -> Optional[Callable[[int], None]]:
     operators (products, attention, norms) are the kernels' own; None otherwise."""
     if getattr(model, "cpu_products", None) != "sgemm":
         return None
-    from tallyserve.kernels import cpu_kernels
 
     return cpu_kernels.set_task_pool_threads if cpu_kernels.load() else None
 

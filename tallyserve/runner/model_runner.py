@@ -24,6 +24,7 @@ from tallyserve.runner.rejection_sampler import verify_drafts
 from tallyserve.runner.host_tensors import host_tensor
 from tallyserve.runner.sampler import Sampler
 from tallyserve.runner.grammar_mask import apply_grammar_bitmask
+from tallyserve.runner.penalties import ProcessRow, TokenMirror, process_logits
 
 logger = logging.getLogger(__name__)
 
@@ -357,8 +358,6 @@ class ModelRunner:
     def _process_logits(self, so: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
         """Penalties and token controls (runner/penalties.py) on a copy of the logits; the logits
         themselves when no sampled row uses any (then nothing is built)."""
-        from tallyserve.runner.penalties import ProcessRow, TokenMirror, process_logits
-
         mirror = self._token_mirror
         if mirror is None:
             mirror = self._token_mirror = TokenMirror(self.block_size)

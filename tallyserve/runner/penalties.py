@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.runner.host_tensors import host_tensor
 
 _NEG_INF = float("-inf")
 
@@ -176,8 +177,6 @@ def process_logits(logits: torch.Tensor, rows: list[ProcessRow],
     """A processed copy of ``logits`` (all rows; only ``rows`` change), built on the device
     without waiting for it. ``inflight_tokens``: the in-flight step's sampled tokens, for rows
     with a placeholder."""
-    from tallyserve.runner.host_tensors import host_tensor
-
     device = logits.device
     vocab = logits.shape[1]
     out = logits.clone()
@@ -260,8 +259,6 @@ def _pad(seqs: list[np.ndarray], fill: int = -1) -> np.ndarray:
 def _placeholder_column(rows: list[ProcessRow], inflight_tokens: Optional[torch.Tensor],
                         device: torch.device) -> Optional[torch.Tensor]:
     """(R, 1) the in-flight token of rows with a placeholder, -1 elsewhere; None if no row has one."""
-    from tallyserve.runner.host_tensors import host_tensor
-
     if inflight_tokens is None or all(pr.placeholder < 0 for pr in rows):
         return None
     src = host_tensor([max(pr.placeholder, 0) for pr in rows], device)
@@ -272,8 +269,6 @@ def _placeholder_column(rows: list[ProcessRow], inflight_tokens: Optional[torch.
 def _output_tails(rows: list[ProcessRow], width: int, inflight_tokens: Optional[torch.Tensor],
                   device: torch.device) -> torch.Tensor:
     """(R, width): each row's last ``width`` output tokens, right-aligned, -2 where fewer."""
-    from tallyserve.runner.host_tensors import host_tensor
-
     has = [pr.placeholder >= 0 and inflight_tokens is not None for pr in rows]
     host_w = width - 1 if any(has) else width
     tails = np.full((len(rows), width), -2, dtype=np.int64)

@@ -19,6 +19,7 @@ import torch
 
 from tallyserve.runner.host_tensors import host_tensor
 from tallyserve.sampling_params import SamplingParams
+from tallyserve.kernels import cpu_kernels
 
 # q is clamped away from 0 so that p / q stays finite (p <= 1, so p / 1e-30 cannot overflow).
 _MIN_EXPONENTIAL = 1e-30
@@ -34,8 +35,6 @@ def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous() and logits.shape[-1] > 0:
-        from tallyserve.kernels import cpu_kernels
-
         if cpu_kernels.load():
             return torch.ops.tallyserve_cpu.argmax_rows(logits)
     return logits.max(dim=-1).indices

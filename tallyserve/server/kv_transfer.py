@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from tallyserve.distributed.kv_transfer.base import KVTransferParamsError
 from tallyserve.outputs import RequestOutput
 from tallyserve.server.errors import APIError, bad_request
+from tallyserve.distributed.kv_transfer.factory import check_request_params
 
 PARAM = "kv_transfer_params"
 
@@ -25,7 +26,6 @@ def check_params(ctx, params: Optional[dict], prompt_lengths: list[int], n: int)
     if params is None:
         return None
     engine = _llm_engine(ctx)
-    from tallyserve.distributed.kv_transfer.factory import check_request_params
 
     if len(prompt_lengths) != 1:
         raise bad_request("kv_transfer_params apply to one prompt; send one prompt per request", PARAM)

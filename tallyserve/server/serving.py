@@ -14,9 +14,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, 
 
 from fastapi import Request
 
-from tallyserve.config import ContextLengthError, check_prompt_length
+from tallyserve.config import ContextLengthError
 from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestRejectedError,
                                             StepFailedError)
+from tallyserve.engine.input_processor import InputError
 from tallyserve.outputs import RequestOutput
 from tallyserve.sampling_params import SamplingParams
 from tallyserve.server import errors, fields
@@ -171,15 +172,10 @@ def sampling_params(req: SamplingFields, max_tokens: Optional[int], logprobs: Op
         raise bad_request(msg, field if field in kwargs or field == max_tokens_param else None) from exc
     if ctx is not None:
         check_prompt_logprobs(req, ctx.engine.max_logprobs)
-        vocab = ctx.engine.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise bad_request(f"{name} token id {bad[0]} is out of range [0, {vocab})", name)
-        if params.bad_words:
-            if ctx.engine.tokenizer is None:
-                raise bad_request("bad_words needs a tokenizer (the server has none)", "bad_words")
-            params = params.with_bad_words_tokenized(ctx.engine.tokenizer)
+        try:  # the engine's own checks (vocabulary ranges, logprob caps, n, bad words tokenized), in one place
+            params = ctx.engine.input_processor.check_params(params)
+        except InputError as exc:
+            raise bad_request(str(exc), exc.param) from exc
     return params
 
 
@@ -192,17 +188,17 @@ def check_prompt_ids(ctx: ServerContext, ids: list[int], params: Any, param: str
     anything with `max_tokens` (SamplingParams, or beam search's BeamSpec)."""
     if not ids:
         raise bad_request("the prompt must not be empty", param)
-    max_tokens = params.max_tokens
+    checks = ctx.engine.input_processor
     try:  # length first: cheap, and it bounds the range scan below
-        check_prompt_length(len(ids), ctx.engine.max_model_len)
+        checks.check_prompt_length(len(ids))
     except ContextLengthError as exc:
         raise bad_request(str(exc), param, "context_length_exceeded") from exc
-    vocab = ctx.engine.vocab_size
-    for t in (min(ids), max(ids)):
-        if not 0 <= t < vocab:
-            raise bad_request(f"prompt token id {quote(t)} is out of range [0, {vocab})", param)
     try:
-        check_prompt_length(len(ids), ctx.engine.max_model_len, max_tokens)
+        checks.check_token_ids(ids, param)
+    except InputError as exc:
+        raise bad_request(str(exc), param) from exc
+    try:
+        checks.check_prompt_length(len(ids), params.max_tokens)
     except ContextLengthError as exc:
         raise bad_request(str(exc), "max_tokens", "context_length_exceeded") from exc
 

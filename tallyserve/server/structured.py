@@ -21,6 +21,7 @@ from typing import Any, Optional
 from tallyserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tallyserve.server.errors import bad_request, quote, rate_limited, unavailable
 from tallyserve.structured_output.compile_pool import CompileCancelledError, CompileQueueFullError
+from tallyserve.structured_output.compiler import GrammarKey
 
 BACKENDS = ("xgrammar", "auto")
 # The request field a handler's constraint came from, for the 400 of a grammar that does not compile.
@@ -102,7 +103,6 @@ def structured_outputs_of(req: Any) -> tuple[Optional[StructuredOutputsParams], 
         raise bad_request("structured outputs are not supported with use_beam_search", field)
     try:
         params = StructuredOutputsParams(**spec)
-        from tallyserve.structured_output.compiler import GrammarKey
 
         GrammarKey.of(params)  # cheap checks (JSON of the schema, whitespace_pattern) before compiling
     except ValueError as exc:

@@ -9,6 +9,13 @@ from pathlib import Path
 from tallyserve.bench.workloads import add_workload_args, workload_from_args
 from tallyserve.config import EngineArgs, EngineConfig
 from tallyserve.config.model import ModelConfig
+from tallyserve.config.args import add_engine_args as _add_engine_args
+from tallyserve.sim.simulator import SimOptions, Simulator
+from tallyserve.sim.cost_model import load_cost_model
+from tallyserve.config.args import engine_args_from
+from tallyserve.bench.report import build_result, plot, print_report, write_json
+from tallyserve.config.model import check_tensor_parallel
+from tallyserve.sim.cost_model import ModelShape
 
 # Named scenarios: defaults for flags the user did not give.
 SCENARIOS = {
@@ -46,8 +53,6 @@ def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
     """The override, else per rank: (device memory x gpu_memory_utilization - the rank's bf16
     weights, about weights / tensor_parallel_size) / the rank's bf16 block (`kv_bytes_per_token`
     at tensor_parallel_size, as the runner sizes its pool). kv_cache_memory_bytes is per rank too."""
-    from tallyserve.sim.cost_model import ModelShape
-
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     tp = args.tensor_parallel_size
@@ -64,8 +69,6 @@ def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
 
 def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
     """Blocks of the host KV tier: kv_offload_bytes over one bf16 block of one rank (0: no tier)."""
-    from tallyserve.sim.cost_model import ModelShape
-
     if not args.kv_offload_bytes or not args.enable_prefix_caching:
         return 0
     per_block = ModelShape.of(mc, args.tensor_parallel_size).kv_bytes_per_token * args.block_size
@@ -75,8 +78,6 @@ def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
 def engine_config_for(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> EngineConfig:
     """ValueError for bad arguments, a tensor_parallel_size the model cannot be split over
     (check_tensor_parallel, as the engine checks it), or weights that leave no KV block."""
-    from tallyserve.config.model import check_tensor_parallel
-
     args.validate()
     if getattr(args, "speculative_config", None) is not None:
         raise ValueError("simulate does not model speculative decoding (drafts) yet; drop --speculative-config")
@@ -96,11 +97,6 @@ def _apply_scenario(ns: argparse.Namespace) -> None:
 
 
 def _cmd_simulate(ns: argparse.Namespace) -> int:
-    from tallyserve.bench.report import build_result, plot, print_report, write_json
-    from tallyserve.config.args import engine_args_from
-    from tallyserve.sim.cost_model import load_cost_model
-    from tallyserve.sim.simulator import SimOptions, Simulator
-
     _apply_scenario(ns)
     name = ns.model_config or ns.model
     if name is None:
@@ -145,8 +141,6 @@ def _tp_stats(cost, tp: int) -> dict:
 
 
 def register(sub) -> None:
-    from tallyserve.config.args import add_engine_args as _add_engine_args
-
     p = sub.add_parser("simulate", help="replay a workload through the real scheduler with a cost model",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,

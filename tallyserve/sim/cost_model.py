@@ -31,6 +31,7 @@ from tallyserve.attention.metadata import CASCADE_MIN_REQS, cascade_prefix_len
 from tallyserve.core.sched_output import SchedulerOutput
 from tallyserve.config.model import ModelConfig, kv_bytes_per_token
 from tallyserve.runner.forward_batch import block_table
+from tallyserve.config.model import check_tensor_parallel
 
 BF16_BYTES = 2
 
@@ -154,8 +155,6 @@ class ModelShape:
     @classmethod
     def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1) -> "ModelShape":
         """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks."""
-        from tallyserve.config.model import check_tensor_parallel
-
         tp = tensor_parallel_size
         check_tensor_parallel(mc, tp)
         h, q, kv, d = mc.hidden_size, mc.num_attention_heads // tp, mc.num_key_value_heads, mc.head_dim
@@ -261,8 +260,6 @@ def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_si
     "link_bandwidth", "collective_latency_s"}), or a profile JSON written by `tallyserve profile`.
     `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's. ValueError for
     a tensor_parallel_size the model cannot be split over, or > 1 with a profile."""
-    from tallyserve.config.model import check_tensor_parallel
-
     check_tensor_parallel(model_config, tensor_parallel_size)
     if hardware in HARDWARE:
         hw, source = HARDWARE[hardware], hardware
@@ -276,7 +273,8 @@ def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_si
                 raise ValueError(f"{hardware}: a profile holds step times measured at tensor_parallel_size "
                                  f"{data.get('tensor_parallel_size', 1)}, not {tensor_parallel_size}; price tensor "
                                  "parallelism with the roofline (--hardware h200 or a hardware JSON)")
-            from tallyserve.sim.profile_cost import ProfileCostModel
+
+            from tallyserve.sim.profile_cost import ProfileCostModel  # it builds on this module
 
             return ProfileCostModel(data, model_config)
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, Iterator
+from tallyserve.config import EngineArgs
 
 MAX_SCHEMA_DEPTH = 32
 
@@ -56,8 +57,6 @@ class StructuredOutputsLimits:
 
     @classmethod
     def default(cls) -> "StructuredOutputsLimits":
-        from tallyserve.config import EngineArgs
-
         return cls.from_args(EngineArgs())
 
     def check(self, kind: str, text: str) -> None:

@@ -15,7 +15,6 @@ import socket
 import time
 
 import pytest
-import torch
 
 from tallyserve import LLM, SamplingParams
 from tallyserve.config import EngineArgs
@@ -273,15 +272,16 @@ def _free_port() -> int:
 
 def test_two_nodes_on_localhost(model_dirs):
     from tallyserve.executor.multiproc import init_method, spawn_workers
+    from tallyserve.executor.resolve import resolve_engine
 
     path = model_dirs["qwen3"]
     kw = dict(block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=128)
     ref = _greedy(LLM(model=path, **kw), PROMPTS[:5])
     addr = f"127.0.0.1:{_free_port()}"
     dist = dict(tensor_parallel_size=2, nnodes=2, dist_init_addr=addr)
-    args1 = EngineArgs(model=path, node_rank=1, **dist, **kw)
-    args1.validate()
-    node1, conn = spawn_workers(args1, torch.device("cpu"), torch.float32, (2,), init_method(args1))
+    args1 = EngineArgs(model=path, node_rank=1, device="cpu", **dist, **kw)
+    resolved, _ = resolve_engine(args1, load_tokenizer=False)
+    node1, conn = spawn_workers(resolved, init_method(args1))
     assert conn is None and [p.name for p in node1] == ["tallyserve-tp-rank1"]
     llm = None
     try:
