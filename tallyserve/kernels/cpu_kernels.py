@@ -44,19 +44,12 @@ from tallyserve import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp",
-            Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp",
-            Path(__file__).parent / "csrc" / "decode_layers_cpu.cpp",
-            Path(__file__).parent / "csrc" / "attention_amx_cpu.cpp",
-            Path(__file__).parent / "csrc" / "sampling_ops_cpu.cpp",
-            Path(__file__).parent / "csrc" / "sgemm_avx2_cpu.cpp",
-            Path(__file__).parent / "csrc" / "task_pool_cpu.cpp"]
-_HEADERS = [Path(__file__).parent / "csrc" / "cpu_math.h", Path(__file__).parent / "csrc" / "fused_ops_cpu.h",
-            Path(__file__).parent / "csrc" / "attention_amx_cpu.h", Path(__file__).parent / "csrc" / "amx_tiles.h",
-            Path(__file__).parent / "csrc" / "attention_vec_cpu.h",
-            Path(__file__).parent / "csrc" / "attention_avx2_cpu.h",
-            Path(__file__).parent / "csrc" / "attention_avx512_cpu.h",
-            Path(__file__).parent / "csrc" / "task_pool_cpu.h"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "attention_d64_cpu.cpp", _CSRC / "attention_amx_cpu.cpp",
+            _CSRC / "fused_ops_cpu.cpp", _CSRC / "decode_layers_cpu.cpp", _CSRC / "sampling_ops_cpu.cpp",
+            _CSRC / "sgemm_avx2_cpu.cpp", _CSRC / "task_pool_cpu.cpp"]
+_HEADERS = [_CSRC / "simd_cpu.h", _CSRC / "cpu_math.h", _CSRC / "attention_vec_cpu.h", _CSRC / "attention_d64_cpu.h",
+            _CSRC / "attention_amx_cpu.h", _CSRC / "fused_ops_cpu.h", _CSRC / "task_pool_cpu.h"]
 _NAME = "tallyserve_cpu_kernels"
 _lock = threading.Lock()
 _state: dict = {}  # "ok": load()'s answer; "library": the built library's path; "errors_cross": the probe's verdict

@@ -24,7 +24,15 @@
 
 #include "cpu_math.h"
 
-#include "amx_tiles.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define TALLYSERVE_HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define TALLYSERVE_HAVE_AMX 0
+#endif
 
 namespace tallyserve_amx {
 
@@ -38,6 +46,48 @@ std::atomic<bool> g_enabled{[] {
 #if TALLYSERVE_HAVE_AMX
 
 namespace {
+
+// ---- tile plumbing: the process's tile permission and a scoped tile configuration ----
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+inline bool tile_state_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes; the caller's configuration (other kernels of this thread may cache theirs) is
+// saved on entry and put back on exit.
+class TileScope {
+ public:
+  TileScope() {
+    _tile_storeconfig(&saved_);
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() {
+    if (saved_.palette_id != 0)
+      _tile_loadconfig(&saved_);
+    else
+      _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  TileConfig saved_{};
+};
+
+// ---- the kernel ----
 
 constexpr int64_t kPiece = 64;  // keys per piece (a multiple of 32)
 
@@ -230,7 +280,7 @@ void rows_bf16(const float* q, int64_t q_row, float* o, int64_t o_row, const uin
           }
           // lanes with no key yet (m = -inf) start from zero; key 0 is valid in every lane, so top is finite
           const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, neg_inf, _CMP_NEQ_OQ),
-                                                  tallyserve_cpu_math::exp16(_mm512_sub_ps(m, top)));
+                                                  tallyserve_cpu_math::exp_vec<16>(_mm512_sub_ps(m, top)));
           l = _mm512_mul_ps(l, corr);
           for (int64_t kb = 0; kb < nkb; ++kb)  // P^T in three parts, pairs of consecutive keys per lane
             for (int64_t r = 0; r < 16; ++r) {
@@ -240,7 +290,7 @@ void rows_bf16(const float* q, int64_t q_row, float* o, int64_t o_row, const uin
                 const __mmask16 valid =
                     j < cn_t ? _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(c0 + j)), _MM_CMPINT_NLT)
                              : static_cast<__mmask16>(0);
-                p[u] = _mm512_maskz_mov_ps(valid, tallyserve_cpu_math::exp16(_mm512_sub_ps(_mm512_loadu_ps(sa + j * 16), top)));
+                p[u] = _mm512_maskz_mov_ps(valid, tallyserve_cpu_math::exp_vec<16>(_mm512_sub_ps(_mm512_loadu_ps(sa + j * 16), top)));
               }
               l = _mm512_add_ps(l, _mm512_add_ps(p[0], p[1]));
               __m512 p0[3], p1[3];

@@ -1,6 +1,6 @@
-// Vector helpers of tallyserve's float32 CPU attention paths (paged_attention_cpu.cpp): cached values read as
-// float32 from a float32 or bfloat16 cache, dot products, the softmax, and the AVX-512 pieces of the head_dim-64
-// kernels.
+// Helpers of tallyserve's float32 CPU attention (paged_attention_cpu.cpp's generic loop, attention_d64_cpu.cpp):
+// cached values read as float32 from a float32 or bfloat16 cache, dot products, the softmax (on 16 masked lanes
+// with AVX-512).
 #pragma once
 
 #include <algorithm>
@@ -54,7 +54,7 @@ inline void softmax_inplace(float* s, int64_t n) {
   __m512 sum16 = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = tallyserve_cpu_math::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mxv));
+    const __m512 e = tallyserve_cpu_math::exp_vec<16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mxv));
     sum16 = _mm512_mask_add_ps(sum16, m, sum16, e);
     _mm512_mask_storeu_ps(s + j, m, e);
   }
@@ -78,45 +78,5 @@ inline void softmax_inplace(float* s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 #endif
 }
-
-#if defined(__AVX512F__)
-// The sums of eight vectors' lanes, as one vector: [sum(v[0]), ..., sum(v[7])].
-inline __m256 hsum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-// One head's 64 cached values into L1 (four 64-byte lines of float32, two of bfloat16).
-template <typename KvT>
-inline void prefetch_row(const KvT* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (size_t off = 0; off < 64 * sizeof(KvT); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
-// 16 cached values as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// The products of one head_dim-64 query (four registers) and key row, in 16 lanes.
-template <typename KvT>
-inline __m512 dot64(const __m512* qv, const KvT* kr) {
-  __m512 acc = _mm512_mul_ps(qv[0], load16(kr));
-  acc = _mm512_fmadd_ps(qv[1], load16(kr + 16), acc);
-  acc = _mm512_fmadd_ps(qv[2], load16(kr + 32), acc);
-  return _mm512_fmadd_ps(qv[3], load16(kr + 48), acc);
-}
-
-// The same, folded to 8 lanes.
-template <typename KvT>
-inline __m256 dot64_half(const __m512* qv, const KvT* kr) {
-  const __m512 acc = dot64(qv, kr);
-  return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-}
-
-#endif
 
 }  // namespace tallyserve_attention_vec

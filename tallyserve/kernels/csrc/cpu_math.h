@@ -6,9 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "simd_cpu.h"
 
 namespace tallyserve_cpu_math {
 
@@ -33,43 +31,25 @@ inline float exp_float(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512F__)
-// exp_float on 16 lanes: the same reduction and polynomial. (Inside the operators, loops over exp_float
-// vectorized but ran several times slower than the same loop compiled alone; these do not depend on it.)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-// exp_float on 8 lanes (AVX2 + FMA): the same reduction and polynomial as exp16.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// exp_float on the W lanes of a simd_cpu.h vector (Vec<16>, or Vec<8> with FMA): the same reduction and
+// polynomial. (Inside the operators, loops over exp_float vectorized but ran several times slower than the same
+// loop compiled alone; this does not depend on it.)
+template <int W>
+inline typename tallyserve_simd::Vec<W>::reg exp_vec(typename tallyserve_simd::Vec<W>::reg x) {
+  using V = tallyserve_simd::Vec<W>;
+  x = V::min(V::max(x, V::set1(-87.0f)), V::set1(88.0f));
+  const typename V::reg n = V::floor(V::fmadd(x, V::set1(1.44269504088896341f), V::set1(0.5f)));
+  typename V::reg r = V::fnmadd(n, V::set1(0.693359375f), x);
+  r = V::fmadd(n, V::set1(2.12194440e-4f), r);
+  typename V::reg p = V::set1(1.9875691500e-4f);
+  p = V::fmadd(p, r, V::set1(1.3981999507e-3f));
+  p = V::fmadd(p, r, V::set1(8.3334519073e-3f));
+  p = V::fmadd(p, r, V::set1(4.1665795894e-2f));
+  p = V::fmadd(p, r, V::set1(1.6666665459e-1f));
+  p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
+  p = V::fmadd(V::mul(p, r), r, V::add(r, V::set1(1.0f)));
+  return V::mul(p, V::exponent_bits(V::add_i(V::to_int(n), V::set1_i(127))));
 }
 #endif
 

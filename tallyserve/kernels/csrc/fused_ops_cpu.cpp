@@ -222,7 +222,7 @@ inline void silu_mul_row_bf16(const uint16_t* g, uint16_t* o, int64_t N) {
   for (int64_t i = 0; i < N; i += 16) {
     const __mmask16 m = N - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (N - i)) - 1);
     const __m512 x = load_bf16x16(g + i, m);
-    const __m512 act = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), tallyserve_cpu_math::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    const __m512 act = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), tallyserve_cpu_math::exp_vec<16>(_mm512_sub_ps(_mm512_setzero_ps(), x))));
     store_bf16x16(o + i, _mm512_mul_ps(act, load_bf16x16(u + i, m)), m);
   }
 }

@@ -9,7 +9,7 @@
 // One work item is (request, a run of up to 16 query rows: 192 on the AVX2 path), all heads (with fewer items than
 // threads, an item is split by KV head group). Items, largest first, are taken by ATen's threads from a shared
 // counter, so a thread the OS deschedules holds up only its current item, not a fixed share. At head_dim 64 with
-// vector paths (16 lanes of AVX-512, or 8 of AVX2 + FMA: attention_avx2_cpu.h), a one-row item (decode) keeps its
+// vector paths (16 lanes of AVX-512, or 8 of AVX2 + FMA: attention_d64_cpu.cpp), a one-row item (decode) keeps its
 // scores whole (softmax: max, exp, sum in float32, like the reference) and reads each K/V row once for all query
 // heads of its group (one_row_d64); a multi-row item (a chunk, speculative rows) runs flash-style with its rows in
 // the vector lanes (rows_d64), or on AVX2 as small matrix products over its keys packed once (rows_gemm, up to
@@ -31,76 +31,22 @@
 #include <vector>
 
 #include "attention_amx_cpu.h"
-#include "attention_avx2_cpu.h"
-#include "attention_avx512_cpu.h"
+#include "attention_d64_cpu.h"
 #include "attention_vec_cpu.h"
-#include "cpu_math.h"
 #include "task_pool_cpu.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;
-constexpr int64_t kKeysPerPiece = 256;  // rows_d64: keys per piece of float32 scratch
 
+namespace d64 = tallyserve_attention_d64;
 using namespace tallyserve_attention_vec;
 using tallyserve_cpu_ops::run_tasks;
 using tallyserve_cpu_ops::task_threads;
 
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr bool kHaveAvx2Kernel = true;
-#else
-constexpr bool kHaveAvx2Kernel = false;
-#endif
-
-constexpr bool kHaveRowKernel = tallyserve_avx512::kBuilt;
-using tallyserve_avx512::one_row_d64;
-using tallyserve_avx512::rows_d64;
-static_assert(tallyserve_avx512::kKeysPerPiece <= kKeysPerPiece, "attend_items sizes the AVX-512 path's scratch");
-
 // Lanes of the head_dim-64 vector paths in use: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (the generic loop only).
-constexpr int64_t kWidestPath = kHaveRowKernel ? 16 : (kHaveAvx2Kernel ? 8 : 0);
+constexpr int64_t kWidestPath = d64::kHave16 ? 16 : (d64::kHave8 ? 8 : 0);
 std::atomic<int64_t> g_width{kWidestPath};
-
-#if defined(__AVX2__) && defined(__FMA__)
-static_assert(tallyserve_avx2::kKeysPerPiece <= kKeysPerPiece, "attend_items sizes the AVX2 path's scratch");
-constexpr int64_t kAvx2RowPiece = tallyserve_avx2::kRowPiece;
-constexpr int64_t kAvx2GemmRows = tallyserve_avx2::kGemmRows;
-constexpr int64_t kAvx2GemmMaxKeys = tallyserve_avx2::kGemmMaxKeys;
-constexpr int64_t kAvx2FlashRows = tallyserve_avx2::kRows;
-
-template <typename KvT>
-void avx2_one_row(const float* q, float* o, const KvT* K, const KvT* V, const int64_t* row_off, int64_t nkeys,
-                  int64_t h_lo, int64_t h_hi, int64_t G, float sc, float* scores, KvT* buf) {
-  tallyserve_avx2::one_row_d64(q, o, K, V, row_off, nkeys, h_lo, h_hi, G, sc, scores, buf);
-}
-template <typename KvT>
-void avx2_rows(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT* K, const KvT* V,
-               const int64_t* row_off, int64_t nrow, int64_t first, int64_t h_lo, int64_t h_hi, int64_t G, float sc,
-               float* kc, float* vc, float* qt, float* ot, float* stats) {
-  tallyserve_avx2::rows_d64(q, q_row, o, o_row, K, V, row_off, nrow, first, h_lo, h_hi, G, sc, kc, vc, qt, ot, stats);
-}
-template <typename KvT>
-void avx2_rows_gemm(const float* q, int64_t q_row, float* o, int64_t o_row, const KvT* K, const KvT* V,
-                    const int64_t* row_off, int64_t nrow, int64_t first, int64_t h_lo, int64_t h_hi, int64_t G,
-                    float sc, float* kt, float* vr, float* scores) {
-  tallyserve_avx2::rows_gemm(q, q_row, o, o_row, K, V, row_off, nrow, first, h_lo, h_hi, G, sc, kt, vr, scores);
-}
-#else
-constexpr int64_t kAvx2RowPiece = 0, kAvx2GemmRows = 1, kAvx2GemmMaxKeys = 0, kAvx2FlashRows = 1;
-template <typename KvT>
-void avx2_one_row(const float*, float*, const KvT*, const KvT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                  float, float*, KvT*) {}
-template <typename KvT>
-void avx2_rows(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, const int64_t*, int64_t, int64_t,
-               int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*) {}
-template <typename KvT>
-void avx2_rows_gemm(const float*, int64_t, float*, int64_t, const KvT*, const KvT*, const int64_t*, int64_t, int64_t,
-                    int64_t, int64_t, int64_t, float, float*, float*, float*) {}
-#endif
 
 struct Item {
   int64_t req, row_lo, row_hi, cost, head_lo, head_hi;  // query heads [head_lo, head_hi)
@@ -141,12 +87,15 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
     }
     if (width && D == 64 && G <= 4 && nrow == 1) {
       if (scores.size() < static_cast<size_t>(Hq * nkeys)) scores.resize(static_cast<size_t>(Hq * nkeys));
-      if (width == 16)
-        one_row_d64(q0, o0, K, V, row_off.data(), nkeys, Hq, w.head_lo, w.head_hi, G, sc, scores.data());
-      else {
-        thread_local std::vector<KvT> rows_buf;  // one_row_d64's piece of K or V rows
-        rows_buf.resize(static_cast<size_t>(kAvx2RowPiece * Hkv * D));
-        avx2_one_row(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data(), rows_buf.data());
+      if (width == 16) {
+        if constexpr (d64::kHave16)
+          d64::one_row_d64<16>(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data(),
+                               static_cast<KvT*>(nullptr));
+      } else if constexpr (d64::kHave8) {
+        thread_local std::vector<KvT> rows_buf;  // one_row_d64<8>'s piece of K or V rows
+        rows_buf.resize(static_cast<size_t>(d64::kRowPiece * Hkv * D));
+        d64::one_row_d64<8>(q0, o0, K, V, row_off.data(), nkeys, w.head_lo, w.head_hi, G, sc, scores.data(),
+                            rows_buf.data());
       }
       return;
     }
@@ -157,30 +106,34 @@ void attend_items(const at::Tensor& q, at::Tensor& out, const KvT* K, const std:
         return;
       }
     }
-    if (width == 8 && D == 64) {
+    if (width && D == 64) {
       const int64_t first = len - rows + w.row_lo;
-      if (nkeys <= kAvx2GemmMaxKeys) {  // the item's rows as small products over its keys packed once
-        thread_local std::vector<float> kt, vr;
-        const size_t packed = static_cast<size_t>((nkeys + 15) / 16 * 16 * 64);
-        if (kt.size() < packed) kt.resize(packed), vr.resize(packed);
-        if (scores.size() < packed / 64 * 6) scores.resize(packed / 64 * 6);
-        avx2_rows_gemm(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, first, w.head_lo, w.head_hi, G, sc,
-                       kt.data(), vr.data(), scores.data());
-        return;
+      if constexpr (d64::kHave8) {
+        if (width == 8 && nkeys <= d64::kGemmMaxKeys) {  // the item's rows as small products over its keys packed once
+          thread_local std::vector<float> kt, vr;
+          const size_t packed = static_cast<size_t>((nkeys + 15) / 16 * 16 * 64);
+          if (kt.size() < packed) kt.resize(packed), vr.resize(packed);
+          if (scores.size() < packed / 64 * 6) scores.resize(packed / 64 * 6);
+          d64::rows_gemm(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, first, w.head_lo, w.head_hi, G, sc,
+                         kt.data(), vr.data(), scores.data());
+          return;
+        }
       }
-      if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
-      if (qt.size() < static_cast<size_t>(G * 512)) qt.resize(G * 512), ot.resize(G * 512), stats.resize(G * 16);
-      for (int64_t i = 0; i < nrow; i += kAvx2FlashRows)  // longer contexts: flash-style, 8 rows in the lanes
-        avx2_rows(q0 + i * q_row, q_row, o0 + i * Hq * D, Hq * D, K, V, row_off.data(),
-                  std::min(kAvx2FlashRows, nrow - i), first + i, w.head_lo, w.head_hi, G, sc, kc.data(), vc.data(),
-                  qt.data(), ot.data(), stats.data());
-      return;
-    }
-    if (width == 16 && D == 64) {
-      if (kc.empty()) kc.resize(kKeysPerPiece * 64), vc.resize(kKeysPerPiece * 64);
-      if (qt.size() < static_cast<size_t>(G * 1024)) qt.resize(G * 1024), ot.resize(G * 1024), stats.resize(G * 32);
-      rows_d64(q0, q_row, o0, Hq * D, K, V, row_off.data(), nrow, len - rows + w.row_lo, w.head_lo, w.head_hi, G,
-               sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+      // flash-style, `width` rows in the lanes (on 8 lanes: contexts past rows_gemm's keys)
+      if (kc.empty()) kc.resize(d64::kKeysPerPiece * 64), vc.resize(d64::kKeysPerPiece * 64);
+      if (qt.size() < static_cast<size_t>(G * 64 * width))
+        qt.resize(G * 64 * width), ot.resize(G * 64 * width), stats.resize(G * 2 * width);
+      for (int64_t i = 0; i < nrow; i += width) {
+        const int64_t n = std::min(width, nrow - i);
+        if (width == 16) {
+          if constexpr (d64::kHave16)
+            d64::rows_d64<16>(q0 + i * q_row, q_row, o0 + i * Hq * D, Hq * D, K, V, row_off.data(), n, first + i,
+                              w.head_lo, w.head_hi, G, sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+        } else if constexpr (d64::kHave8) {
+          d64::rows_d64<8>(q0 + i * q_row, q_row, o0 + i * Hq * D, Hq * D, K, V, row_off.data(), n, first + i,
+                           w.head_lo, w.head_hi, G, sc, kc.data(), vc.data(), qt.data(), ot.data(), stats.data());
+        }
+      }
       return;
     }
     scores.assign(static_cast<size_t>(nrow * Hq * nkeys), 0.f);
@@ -238,7 +191,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   // (the AMX path takes longer runs of rows: its tiles of 16 rows share the copies of K and V^T)
   const int64_t width = g_width.load();  // taken once: the items are cut for the path that runs them
   const bool amx = kv_cache.scalar_type() == at::kBFloat16 && D == 64 && width == 16 && tallyserve_amx::usable();
-  const int64_t per_item = amx ? tallyserve_amx::kRowsPerItem : (width == 8 ? kAvx2GemmRows : kRowsPerItem);
+  const int64_t per_item = amx ? tallyserve_amx::kRowsPerItem : (width == 8 ? d64::kGemmRows : kRowsPerItem);
   std::vector<Item> items;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t rows = qsl[r + 1] - qsl[r];
@@ -289,7 +242,7 @@ int64_t vector_width() { return g_width.load(); }
 // Use the path of `width` lanes (16, 8 or 0) where this build has it; returns the width in use after the call.
 int64_t set_vector_width(int64_t width) {
   TORCH_CHECK(width == 0 || width == 8 || width == 16, "vector width must be 0, 8 or 16");
-  const bool built = width == 0 || (width == 8 && kHaveAvx2Kernel) || (width == 16 && kHaveRowKernel);
+  const bool built = width == 0 || (width == 8 && d64::kHave8) || (width == 16 && d64::kHave16);
   if (built) g_width.store(width);
   return g_width.load();
 }

@@ -14,55 +14,49 @@
 #include <limits>
 
 #include "fused_ops_cpu.h"
+#include "simd_cpu.h"
 #include "task_pool_cpu.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace tallyserve_cpu_ops {
 
-// The index of row x's first maximum (first NaN if any: NaN compares above everything, as in torch.max).
+// argmax_row's vectors: the widest the build has (simd_cpu.h), or none
+#if defined(__AVX512F__)
+constexpr int kArgmaxLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kArgmaxLanes = 8;
+#else
+constexpr int kArgmaxLanes = 0;
+#endif
+
+// The index of row x's first maximum (first NaN if any: NaN compares above everything, as in torch.max), on the
+// vectors of W lanes (0: scalar code only).
+template <int W>
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t j = 0;
   float best = -INFINITY;
-#if defined(__AVX512F__)
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= n; j += 16) {  // pass 1: the maximum, stopping at the first block with a NaN
-    const __m512 v = _mm512_loadu_ps(x + j);
-    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break;
-    top = _mm512_max_ps(top, v);
+  if constexpr (W > 0) {
+    using V = tallyserve_simd::Vec<W>;
+    typename V::reg top = V::set1(-INFINITY);
+    for (; j + W <= n; j += W) {  // pass 1: the maximum, stopping at the first block with a NaN
+      const typename V::reg v = V::load(x + j);
+      if (V::any_nan(v)) break;
+      top = V::max(top, v);
+    }
+    best = V::hmax(top);
   }
-  best = _mm512_reduce_max_ps(top);
-#elif defined(__AVX2__)
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= n; j += 8) {  // as above, 8 lanes
-    const __m256 v = _mm256_loadu_ps(x + j);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
-    top = _mm256_max_ps(top, v);
-  }
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  best = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-#endif
   for (int64_t k = j; k < n; ++k) {
     if (std::isnan(x[k])) return k;  // the first NaN (none before j: its blocks were checked)
     best = std::max(best, x[k]);
   }
   int64_t k = 0;  // pass 2: the first position holding it
-#if defined(__AVX512F__)
-  const __m512 want = _mm512_set1_ps(best);
-  for (; k + 16 <= n; k += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), want, _CMP_EQ_OQ);
-    if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
+  if constexpr (W > 0) {
+    using V = tallyserve_simd::Vec<W>;
+    const typename V::reg want = V::set1(best);
+    for (; k + W <= n; k += W) {
+      const unsigned hit = V::eq_bits(V::load(x + k), want);
+      if (hit) return k + __builtin_ctz(hit);
+    }
   }
-#elif defined(__AVX2__)
-  const __m256 want = _mm256_set1_ps(best);
-  for (; k + 8 <= n; k += 8) {
-    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + k), want, _CMP_EQ_OQ));
-    if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
-  }
-#endif
   for (; k < n; ++k)
     if (x[k] == best) return k;
   return 0;  // n == 0 cannot happen (checked); a row of -inf is found at 0 above
@@ -77,7 +71,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   int64_t* O = out.data_ptr<int64_t>();
   // a row of 49,152 logits is ~12 us: rows in pieces of at least four per thread
   tallyserve_cpu_ops::parallel_for(0, R, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) O[r] = argmax_row(X + r * N, N);
+    for (int64_t r = lo; r < hi; ++r) O[r] = argmax_row<kArgmaxLanes>(X + r * N, N);
   });
   return out;
 }
