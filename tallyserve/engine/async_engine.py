@@ -110,6 +110,10 @@ class AsyncLLMEngine:
         """The scheduler half of disaggregated serving (in-thread engines only), or None."""
         return self.core.kv_connector
 
+    def kv_transfer_metadata(self, rank: int) -> Optional[dict]:
+        """The NIXL agent metadata consumers fetch for tensor-parallel rank ``rank`` (None without a connector)."""
+        return self.core.kv_transfer_metadata(rank)
+
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._started:

@@ -76,6 +76,10 @@ class EngineCoreClient(ABC):
     def shutdown(self, timeout: float, reason: str) -> None:
         """Stop the loop (its requests are aborted), waiting at most ``timeout``."""
 
+    def kv_transfer_metadata(self, rank: int) -> Optional[dict]:
+        """Disaggregated serving: the NIXL agent metadata of tensor-parallel rank ``rank`` (in-thread only)."""
+        return None
+
 
 class InprocClient(EngineCoreClient):
     """The loop on a thread of this process."""
@@ -111,6 +115,9 @@ class InprocClient(EngineCoreClient):
             return int(self.engine.current_step_tokens or 0)
         except Exception:  # noqa: BLE001 - a racy read from this thread must never fail /health
             return 0
+
+    def kv_transfer_metadata(self, rank: int) -> Optional[dict]:
+        return self.engine.executor.kv_transfer_metadata(rank)
 
     def shutdown(self, timeout: float, reason: str) -> None:
         self.structured.shutdown()  # compiles under way are cancelled, not waited for

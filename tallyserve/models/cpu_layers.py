@@ -33,12 +33,15 @@ from tallyserve.attention.cpu_sdpa import CpuSdpaBackend
 # layer_weights' verdict per model (checked once per model)
 _LAYER_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+
 def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     """(bfloat16 projections?, the per-layer weights the operator takes, the same with the projections' blocked
     copies from ``cpu_products.pack_cpu_weight`` where every projection has one, else None) when ``model`` (a
     LlamaModel) fits it: fused float32 or bfloat16 projections without biases or q/k norm, one process (no tensor
-    parallelism), the compiled CPU attention backend, TALLYSERVE_CPU_DECODE_LAYERS not 0; else None. Checked once
-    per model."""
+    parallelism), the compiled CPU attention backend; else None, and None under TALLYSERVE_CPU_DECODE_LAYERS=0. The
+    model's fit is checked once per model."""
+    if not envs.TALLYSERVE_CPU_DECODE_LAYERS:
+        return None
     cached = _LAYER_WEIGHTS.get(model, False)
     if cached is not False:
         return cached
@@ -59,7 +62,6 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
     bf16 = mm == torch.bfloat16
     fit = None
     if ((mm is None or (bf16 and hasattr(torch.ops.tallyserve_cpu, "gemv_bf16")))
-            and envs.TALLYSERVE_CPU_DECODE_LAYERS
             and model.norm.weight.device.type == "cpu" and model.norm.weight.dtype == torch.float32
             and all(fits(layer) for layer in model.layers)
             and cpu_kernels.load() and hasattr(torch.ops.tallyserve_cpu, "decode_layers")):

@@ -4,7 +4,7 @@ metadata from (GET /kv_transfer/metadata?rank=R)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -17,20 +17,14 @@ from tallyserve.distributed.kv_transfer.factory import check_request_params
 PARAM = "kv_transfer_params"
 
 
-def _llm_engine(ctx) -> Any:
-    return getattr(ctx.engine, "engine", None)
-
-
 def check_params(ctx, params: Optional[dict], prompt_lengths: list[int], n: int) -> Optional[dict]:
     """The request's kv_transfer_params, validated for every prompt (400 naming the field)."""
     if params is None:
         return None
-    engine = _llm_engine(ctx)
-
     if len(prompt_lengths) != 1:
         raise bad_request("kv_transfer_params apply to one prompt; send one prompt per request", PARAM)
     try:
-        return check_request_params(getattr(engine, "kv_connector", None), params, prompt_lengths[0], n)
+        return check_request_params(ctx.engine.kv_connector, params, prompt_lengths[0], n)
     except KVTransferParamsError as exc:
         raise bad_request(str(exc), PARAM) from exc
 
@@ -51,8 +45,7 @@ def add_to_body(body: dict, outs: list[RequestOutput]) -> dict:
 def add_routes(app: FastAPI, ctx) -> None:
     @app.get("/kv_transfer/metadata")
     async def kv_transfer_metadata(rank: int = 0) -> JSONResponse:
-        executor = getattr(_llm_engine(ctx), "executor", None)
-        meta = executor.kv_transfer_metadata(rank) if executor is not None else None
+        meta = ctx.engine.kv_transfer_metadata(rank)
         if meta is None:
             raise APIError(404, f"no NIXL KV connector for tensor-parallel rank {rank} here", "not_found_error",
                            "rank", None)

@@ -272,7 +272,7 @@ def _output_ids(draw, tok):
     """Ids a model could sample: text with multi-byte characters (its first ids sometimes cut
     off, so a character starts mid-way), special tokens (empty text when skipped), ids outside
     the tokenizer's vocabulary (no text) and arbitrary ids (mostly partial UTF-8 bytes)."""
-    vocab = tok._backend.get_vocab_size()
+    vocab = tok.backend.get_vocab_size()
     piece = st.one_of(
         st.tuples(st.text(alphabet=st.sampled_from(list(MULTI_BYTE + 'ab {}":,\n')), min_size=1, max_size=8),
                   st.integers(0, 2)).map(lambda t: tok.encode(t[0], add_special_tokens=False)[t[1]:]),

@@ -275,6 +275,8 @@ def test_async_engine_start_releases_the_builders_pool(monkeypatch):
 
     idle = mock.MagicMock(tokenizer=None)
     idle.stats.return_value = {}
+    idle.model_config.vocab_size, idle.config.args.max_logprobs = 256, 20
+    idle.config.scheduler_config.max_model_len, idle.config.scheduler_config.max_num_seqs = 64, 4
     eng = async_engine.AsyncLLMEngine(idle)
     eng.start()
     deadline = time.monotonic() + 5
@@ -419,7 +421,6 @@ def test_compiled_cpu_layers_equal_the_python_layers_bitwise(tmp_path, monkeypat
 
     def run(flag):
         monkeypatch.setenv("TALLYSERVE_CPU_DECODE_LAYERS", flag)
-        inner._cpu_weights = False  # looked up again under the flag
         used.clear()
         kv = PagedKV(model, num_blocks=64, block_size=4, seed=2, dtype=matmul_dtype or torch.float32)
         outs = [kv.step([("a", list(range(3, 14))), ("b", [5, 6, 7])]),  # short prompts: the kernel in place
