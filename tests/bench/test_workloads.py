@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -78,18 +79,19 @@ def test_jsonl_trace(tmp_path):
     assert len(build_workload(_opts(workload=f"file:{path}", num_requests=2))) == 2
 
 
-@pytest.mark.parametrize("line, message", [
-    ({"max_tokens": 3}, "exactly one of"),
-    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ({"prompt_token_ids": ["x"]}, "prompt_token_ids"),
-    ({"messages": [{"role": "user"}]}, "content"),
-    ({"prompt": "a", "arrival_s": -1}, "arrival_s"),
+@pytest.mark.parametrize("line, message", [  # each message names the file and line, then what is wrong
+    ({"max_tokens": 3}, "needs exactly one of prompt, prompt_token_ids, messages, got none"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+     r"needs exactly one of prompt, prompt_token_ids, messages, got \['prompt', 'messages'\]"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+    ({"prompt_token_ids": ["x"]}, "prompt_token_ids must be a non-empty list of ints >= 0"),
+    ({"messages": [{"role": "user"}]}, "each message needs string 'role' and 'content'"),
+    ({"prompt": "a", "arrival_s": -1}, "arrival_s must be a number >= 0, got -1"),
 ])
 def test_bad_trace_lines(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(line) + "\n")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:1: {message}"):
         build_workload(_opts(workload=f"file:{path}"))
 
 

@@ -38,20 +38,20 @@ def _free(llm):
     return s["num_free_blocks"] == s["num_total_blocks"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(block_size=0), "block_size"),
-    (dict(max_num_batched_tokens=-1), "max_num_batched_tokens"),
-    (dict(load_format="pickle"), "load_format"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(device="tpu"), "device"),
-    (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
-    (dict(max_model_len=10**6), "max_model_len"),
-    (dict(speculative_config={"method": "ngram"}), "num_speculative_tokens"),
-    (dict(async_scheduling="on"), "async_scheduling"),
+@pytest.mark.parametrize("kwargs, message", [  # each message opens with the argument it is about
+    (dict(max_num_seqs=0), r"^max_num_seqs must be an integer >= 1, got 0"),
+    (dict(block_size=0), r"^block_size must be an integer \[1, 1024\], got 0"),
+    (dict(max_num_batched_tokens=-1), r"^max_num_batched_tokens must be an integer >= 1, got -1"),
+    (dict(load_format="pickle"), r"^load_format must be one of .*, got 'pickle'"),
+    (dict(dtype="int8"), r"^dtype must be one of .*, got 'int8'"),
+    (dict(gpu_memory_utilization=1.5), r"^gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
+    (dict(device="tpu"), r"^device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (dict(enable_prefix_caching="yes"), r"^enable_prefix_caching must be a bool, got 'yes'"),
+    (dict(max_model_len=10**6), r"^max_model_len \(1000000\) is larger than the model's max_position_embeddings"),
+    (dict(speculative_config={"method": "ngram"}), r"^speculative_config.num_speculative_tokens must be an integer"),
+    (dict(async_scheduling="on"), r"^async_scheduling must be a bool or None, got 'on'"),
     (dict(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "async_scheduling does not support speculative decoding"),
+     r"^async_scheduling does not support speculative decoding"),
     (dict(not_an_arg=1), "unknown engine argument"),
 ])
 def test_bad_engine_args_fail_before_weights_load(model_dir, monkeypatch, kwargs, message):

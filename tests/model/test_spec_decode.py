@@ -91,11 +91,14 @@ def test_ngram_proposer_and_config_errors():
     assert prop.propose([1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2]
     assert prop.propose([9, 8, 7]) == []
     assert prop.propose([1, 1]) == [1]
-    for bad, msg in [({"method": "nope", "num_speculative_tokens": 2}, "method"),
-                     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-                     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-                     ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown"),
-                     ("{not json", "JSON")]:
+    for bad, msg in [({"method": "nope", "num_speculative_tokens": 2}, r"^speculative_config.method must be one of "),
+                     ({"method": "ngram", "num_speculative_tokens": 0},
+                      r"^speculative_config.num_speculative_tokens must be an integer in \[1, 16\], got 0"),
+                     ({"method": "draft_model", "num_speculative_tokens": 2},
+                      r"^speculative_config.model \(the draft model\) is required for method 'draft_model'"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1},
+                      r"^speculative_config has unknown keys \['bogus'\]"),
+                     ("{not json", r"^speculative_config is not valid JSON: ")]:
         with pytest.raises(ValueError, match=msg):
             SpeculativeConfig.parse(bad)
 

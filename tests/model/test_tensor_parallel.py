@@ -313,8 +313,11 @@ def test_bad_tp_sizes_raise_before_loading(model_dirs, monkeypatch):
     monkeypatch.setattr(loader, "_init_dummy", no_weights)
     resolved = resolve_model(model_dirs["mistral"])  # 4 heads, 2 KV heads, intermediate 128
     config = resolved.model_config
-    for tp_size, match in [(3, "num_attention_heads \\(4\\) is not divisible"), (8, "num_attention_heads"),
-                           (0, ">= 1"), (2.0, ">= 1"), (True, ">= 1")]:
+    for tp_size, match in [(3, r"^tensor_parallel_size=3 does not fit \w+: num_attention_heads \(4\) is not divisible"),
+                           (8, r"^tensor_parallel_size=8 does not fit \w+: num_attention_heads \(4\) is not divisible"),
+                           (0, r"^tensor_parallel_size must be an integer >= 1, got 0"),
+                           (2.0, r"^tensor_parallel_size must be an integer >= 1, got 2.0"),
+                           (True, r"^tensor_parallel_size must be an integer >= 1, got True")]:
         with pytest.raises(ValueError, match=match):
             check_tensor_parallel(config, tp_size)
         with pytest.raises(ValueError, match=match):

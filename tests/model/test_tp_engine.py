@@ -217,9 +217,9 @@ def _children() -> set[int]:
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(tensor_parallel_size=3), "tensor_parallel_size|divis|heads"),
-    (dict(tensor_parallel_size=2, async_scheduling=True), "async_scheduling"),
-    (dict(tensor_parallel_size=2, nnodes=2), "dist_init_addr"),
+    (dict(tensor_parallel_size=3), r"^tensor_parallel_size=3 does not fit \w+: num_attention_heads \(4\) is not "),
+    (dict(tensor_parallel_size=2, async_scheduling=True), r"^async_scheduling is not supported with tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, nnodes=2), r"^nnodes > 1 needs dist_init_addr"),
 ], ids=["tp3-4heads", "async", "nnodes-no-addr"])
 def test_bad_sizes_fail_before_workers(model_dirs, kw, match, monkeypatch):
     import tallyserve.executor.multiproc as mp_exec

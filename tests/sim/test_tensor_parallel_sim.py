@@ -109,7 +109,11 @@ def test_70b_needs_four_h200s():
     assert config.cache_config.num_blocks == (int(141e9 * 0.9) - weights // 4) // per_block > 10_000
 
 
-@pytest.mark.parametrize("tp,match", [(3, "not divisible"), (64, "not divisible"), (0, ">= 1")])
+@pytest.mark.parametrize("tp,match", [
+    (3, r"^tensor_parallel_size=3 does not fit LlamaForCausalLM: num_attention_heads \(32\) is not divisible by it"),
+    (64, r"^tensor_parallel_size=64 does not fit LlamaForCausalLM: num_attention_heads \(32\) is not divisible"),
+    (0, r"^tensor_parallel_size must be an integer >= 1, got 0"),
+])
 def test_bad_tensor_parallel_sizes(tp, match, capsys):
     mc = load_model_config("llama-3-8b")
     with pytest.raises(ValueError, match=match):

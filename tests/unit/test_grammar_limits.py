@@ -79,5 +79,5 @@ def test_choices_count_against_the_enum_limit():
                                          ("structured_outputs_max_enum_values", -1),
                                          ("structured_outputs_max_properties", 1.5)])
 def test_bad_limit_arguments_are_value_errors(name, value):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=rf"^{name} must be (a positive number of seconds|an integer >= 1), got "):
         EngineArgs(**{name: value}).validate()

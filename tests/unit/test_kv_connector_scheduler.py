@@ -203,10 +203,15 @@ def test_kv_transfer_config_names_the_bad_key():
 
     cfg = KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}')
     assert cfg.is_consumer and not cfg.is_producer and cfg.kv_load_failure_policy == "recompute"
-    for bad, name in (('{"kv_role": "kv_sideways"}', "kv_role"), ('{"kv_connector": "Lmcache"}', "kv_connector"),
-                      ('{"kv_load_failure_policy": "retry"}', "kv_load_failure_policy"), ("[1]", "object"),
-                      ('{"load_timeout_s": -1}', "load_timeout_s"), ('{"colour": 1}', "colour"), ("{", "JSON")):
-        with pytest.raises(ValueError, match=name):
+    for bad, message in (('{"kv_role": "kv_sideways"}', r"^kv_transfer_config: kv_role must be one of "),
+                         ('{"kv_connector": "Lmcache"}', r"^kv_transfer_config: kv_connector must be one of "),
+                         ('{"kv_load_failure_policy": "retry"}',
+                          r"^kv_transfer_config: kv_load_failure_policy must be one of "),
+                         ("[1]", r"^kv_transfer_config must be a JSON object, got list"),
+                         ('{"load_timeout_s": -1}', r"^kv_transfer_config: load_timeout_s must be a positive number"),
+                         ('{"colour": 1}', r"^kv_transfer_config: unknown key\(s\) \['colour'\]"),
+                         ("{", r"^kv_transfer_config is not valid JSON: ")):
+        with pytest.raises(ValueError, match=message):
             KVTransferConfig.parse(bad)
 
 

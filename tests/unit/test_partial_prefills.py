@@ -182,16 +182,32 @@ def test_engine_args_reach_the_scheduler_and_the_cli():
     (dict(long_prefill_token_threshold=64, enable_chunked_prefill=False), "long_prefill_token_threshold"),
 ])
 def test_invalid_values_are_value_errors(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    # the message opens with the argument's name: "<name> must be ..." or "<name> > ... needs enable_chunked_prefill"
+    named = rf"^{name} (must be |> \d+ (chunks long prefills and )?needs enable_chunked_prefill)"
+    with pytest.raises(ValueError, match=named):
         EngineArgs(**kwargs).validate()
     sc_kwargs = {k: v for k, v in kwargs.items() if k != "enable_chunked_prefill"}
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=named):
         SchedulerConfig(64, 4, 128, kwargs.get("enable_chunked_prefill", True), **sc_kwargs)
 
 
-def test_valid_values_pass():
-    EngineArgs(max_num_partial_prefills=4, max_long_partial_prefills=4, long_prefill_token_threshold=1).validate()
-    EngineArgs(max_num_partial_prefills=1, long_prefill_token_threshold=0, enable_chunked_prefill=False).validate()
+@pytest.mark.parametrize("kwargs", [
+    dict(max_num_partial_prefills=4, max_long_partial_prefills=4, long_prefill_token_threshold=1),
+    dict(max_num_partial_prefills=1, long_prefill_token_threshold=0, enable_chunked_prefill=False),
+])
+def test_valid_values_pass(kwargs):
+    """Valid knobs pass validation and reach the scheduler's config unchanged (the rest at their defaults)."""
+    from tallyserve.sim.cli import load_model_config
+
+    args = EngineArgs(**kwargs)
+    args.validate()
+    sc = args.resolve(load_model_config("llama-3-8b"), num_blocks=4096).scheduler_config
+    want = {**dict(max_num_partial_prefills=1, max_long_partial_prefills=1, long_prefill_token_threshold=0,
+                   enable_chunked_prefill=True), **kwargs}
+    assert {k: getattr(sc, k) for k in want} == want
+    direct = SchedulerConfig(sc.max_num_batched_tokens, 4, 128, **want)  # the scheduler's own check agrees
+    assert (direct.max_num_partial_prefills, direct.long_prefill_token_threshold) == (
+        want["max_num_partial_prefills"], want["long_prefill_token_threshold"])
 
 
 # ----------------------------------------------------------------- property test
