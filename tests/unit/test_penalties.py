@@ -182,16 +182,34 @@ def test_bad_words_single_and_multi_token(llm):
     assert _generate(llm, plain.clone(bad_words_token_ids=[[a, b]]))[0] != base[0]
 
 
-def test_bad_words_strings_offline(llm):
+def _contains(toks, seq) -> bool:
+    return any(tuple(toks[i:i + len(seq)]) == tuple(seq) for i in range(len(toks) - len(seq) + 1))
+
+
+def _round_trips(tok, ids) -> bool:
+    """Whether the text of `ids` is a bad word that tokenizes back to exactly `ids` (many of the tiny
+    tokenizer's ids are partial UTF-8 bytes: alone they decode to "\ufffd", which is three other tokens)."""
+    text = tok.decode(list(ids))
+    return bool(text.strip()) and tok.encode(text, add_special_tokens=False) == list(ids)
+
+
+@pytest.mark.parametrize("length", [1, 2], ids=["one-token-word", "two-token-word"])
+def test_bad_words_strings_offline(llm, length):
+    """A bad word given as a string, tokenized offline by with_bad_words_tokenized (vLLM's rule): a word the greedy
+    output generated (one token, or two in a row) never appears in any output's tokens, which changes the output."""
     tok = llm.engine.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     base = _generate(llm, params)
-    word = tok.decode([base[0][1]])
-    p = params.clone(bad_words=[word]).with_bad_words_tokenized(tok)
-    assert p.bad_words_token_ids
-    for seq in p.bad_words_token_ids:
-        if len(seq) == 1:
-            assert all(seq[0] not in toks for toks in _generate(llm, p))
+    ids = next((tuple(base[0][i:i + length]) for i in range(len(base[0]) - length + 1)
+                if _round_trips(tok, base[0][i:i + length])), None)
+    assert ids is not None, f"no {length}-token word of {base[0]} round-trips through the tokenizer"
+    p = params.clone(bad_words=[tok.decode(list(ids))]).with_bad_words_tokenized(tok)
+    assert ids in p.bad_words_token_ids  # the word as written is banned as these very tokens
+    outs = _generate(llm, p)
+    for toks in outs:
+        for seq in p.bad_words_token_ids:
+            assert not _contains(toks, seq), (seq, toks)
+    assert outs[0] != base[0]
 
 
 def test_sampling_params_validation():
