@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 
 import pytest
 import torch
@@ -28,27 +29,54 @@ if KERNEL:
     torch.ops.tallyserve_cpu.set_vector_width(WIDEST)
 
 
-@pytest.fixture(autouse=True, params=["kernel", "kernel-avx2", "kernel-generic", "gather"])
-def path(request, monkeypatch):
-    """Every case runs on each float32 path: the compiled in-place kernel on its widest vector path, on the AVX2
-    path and on its generic loop (where the build is wider), and the gather + SDPA one."""
-    if request.param.startswith("kernel") and not KERNEL:
+PATHS = ["kernel", "kernel-avx2", "kernel-generic", "gather"]
+
+
+def _use_path(name, monkeypatch):
+    """Run on one float32 path: the compiled in-place kernel on its widest vector path, on the AVX2 path or on its
+    generic loop (where the build is wider), or the gather + SDPA one."""
+    if name.startswith("kernel") and not KERNEL:
         pytest.skip("the CPU kernels could not be built here")
-    width = {"kernel": WIDEST, "kernel-avx2": 8, "kernel-generic": 0}.get(request.param)
+    width = {"kernel": WIDEST, "kernel-avx2": 8, "kernel-generic": 0}.get(name)
     if width is not None and width not in WIDTHS:
         pytest.skip(f"this build has no {width}-lane path")
-    if request.param != "kernel" and width == WIDEST:
+    if name != "kernel" and width == WIDEST:
         pytest.skip("the same path as 'kernel' in this build")
-    if request.param == "gather":
+    if name == "gather":
         monkeypatch.setattr(cpu_sdpa, "_use_kernel", lambda q, kv: False)
     if width is not None:
         torch.ops.tallyserve_cpu.set_vector_width(width)
         monkeypatch.setattr(cpu_sdpa, "_fast_rows", [width > 0])
         cpu_sdpa._last_plan[:] = [None, None, None]
-    yield request.param
+    yield name
     if width is not None:
         torch.ops.tallyserve_cpu.set_vector_width(WIDEST)
         cpu_sdpa._last_plan[:] = [None, None, None]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """A case whose answer any float32 path computes runs on each of them."""
+    yield from _use_path(request.param, monkeypatch)
+
+
+@pytest.fixture(params=PATHS[:3])
+def kernel_path(request, monkeypatch):
+    """The compiled kernel's own contract or routing: each of its vector paths."""
+    yield from _use_path(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["kernel", "kernel-avx2"])
+def flash_rows_path(request, monkeypatch):
+    """The kernel's flash path for chunks (head_dim 64 on a vector path: AVX-512 or AVX2)."""
+    yield from _use_path(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["kernel", "gather"])
+def route(request, monkeypatch):
+    """Behaviour of the Python side that differs between the kernel's route (its plan's checks, the kernel's cache
+    write) and the gather + SDPA route, but not between the kernel's vector paths."""
+    yield from _use_path(request.param, monkeypatch)
 
 
 def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, num_padding=0):
@@ -68,7 +96,7 @@ def check(reqs, hq, hkv, d, block_size, dtype=torch.float32, atol=1e-5, seed=0, 
         assert (out[meta.num_tokens:] == 0).all()
 
 
-def test_the_kernel_builds_where_a_compiler_is(path):
+def test_the_kernel_builds_where_a_compiler_is():
     """CI machines have g++: the kernel path must be the one tested there, not silently skipped (unless the
     load-time probe found that an error thrown in the kernels does not reach Python on this host)."""
     import shutil
@@ -76,14 +104,14 @@ def test_the_kernel_builds_where_a_compiler_is(path):
         assert KERNEL or cpu_kernels.errors_cross() is False
 
 
-def test_kernel_path_refuses_bad_block_ids_before_the_kernel(path):
+def test_kernel_path_refuses_bad_block_ids_before_the_kernel(route):
     """A block id outside the cache is a ValueError from the Python checks (the plan's validate), on the kernel's
     paths; the gather path's index_select refuses it itself."""
     q, k, v, cache, meta, _, _ = make_case([(3, 1)], 4, 2, 32, 4, seed=1)
     bad = meta.block_tables.clone().to(torch.int32)
     bad[0, 0] = cache.shape[1]
-    error = ValueError if path.startswith("kernel") else (IndexError, RuntimeError)
-    with pytest.raises(error, match="block id out of range" if path.startswith("kernel") else None):
+    error = ValueError if route == "kernel" else (IndexError, RuntimeError)
+    with pytest.raises(error, match="block id out of range" if route == "kernel" else None):
         CpuSdpaBackend().forward(q, k, v, cache, dataclasses.replace(meta, block_tables=bad), 0.1)
 
 
@@ -103,13 +131,13 @@ def test_auto_picks_it_on_the_cpu():
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (6, 1)])
-def test_mixed_prefill_and_decode(hq, hkv):
+def test_mixed_prefill_and_decode(path, hq, hkv):
     reqs = [(0, 7), (5, 1), (0, 1), (9, 6), (16, 1), (3, 13), (40, 1)]
     check(reqs, hq, hkv, 64, block_size=4, seed=hq + hkv, num_padding=2)
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_layouts(seed):
+def test_random_layouts(path, seed):
     rng = random.Random(seed)
     reqs = [(rng.choice([0, rng.randint(1, 50)]), rng.choice([1, 1, rng.randint(1, 24)]))
             for _ in range(rng.randint(1, 8))]
@@ -117,6 +145,10 @@ def test_random_layouts(seed):
 
 
 def test_bfloat16_cache_computed_in_float32():
+    """bfloat16 queries over a bfloat16 cache: no kernel path takes them (they are for float32 queries), so this
+    runs once, on the gather + SDPA path."""
+    q, _, _, cache, _, _, _ = make_case([(0, 1)], 8, 2, 64, 4, dtype=torch.bfloat16)
+    assert not cpu_sdpa._use_kernel(q, cache)
     check([(0, 9), (12, 1), (5, 4)], 8, 2, 64, 4, dtype=torch.bfloat16, atol=2e-2, seed=3)
 
 
@@ -127,7 +159,7 @@ def test_bfloat16_cache_computed_in_float32():
     ([(0, 40)], 64, 16),  # a whole prompt in one chunk: the fused causal SDPA over the fresh rows
     ([(30, 40), (5, 1)], 64, 16),  # a long chunk over a cached prefix: prefix and chunk passes merged
 ])
-def test_float32_queries_over_a_bfloat16_cache(reqs, d, block_size):
+def test_float32_queries_over_a_bfloat16_cache(path, reqs, d, block_size):
     """dtype="bfloat16" on the CPU: float32 q/k/v, a bfloat16 cache. Every path attends the keys and values as
     the cache holds them (rounded once to bfloat16), fresh rows included, in float32 arithmetic."""
     q, k, v, cache, meta, full_k, full_v = make_case(reqs, 9, 3, d, block_size, torch.float32, seed=len(reqs))
@@ -149,7 +181,7 @@ def test_float32_queries_over_a_bfloat16_cache(reqs, d, block_size):
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("reqs", [[(40, 30)], [(33, 17), (0, 1), (7, 64)], [(1, 20), (100, 1)]])
-def test_long_chunks_over_a_cached_prefix(hq, hkv, reqs):
+def test_long_chunks_over_a_cached_prefix(path, hq, hkv, reqs):
     """More than KERNEL_MAX_ROWS new rows after a cached prefix (a chat turn after a cached system prompt): the
     kernel path attends the prefix and the chunk in two fused passes merged by log-sum-exp."""
     assert any(new > cpu_sdpa.KERNEL_MAX_ROWS and cached for cached, new in reqs)
@@ -163,12 +195,32 @@ def test_rows_past_the_packed_key_limit(path):
 
 
 def test_bounded_pieces(monkeypatch):
-    """Long chunks are split by query rows and big decode batches by requests; same results."""
+    """The gather + SDPA path (the kernel's paths never build score matrices this big) splits a chunk over a cached
+    prefix by query rows and a batch of decode rows by requests, to keep each SDPA call under _MAX_SCORE_ELEMS
+    score elements; same results."""
+    monkeypatch.setattr(cpu_sdpa, "_use_kernel", lambda q, kv: False)
     monkeypatch.setattr(cpu_sdpa, "_MAX_SCORE_ELEMS", 300)
+    calls = {"sdpa": 0, "decode": 0}
+
+    def sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+    def decode_rows(q, *args):
+        calls["decode"] += 1
+        assert q.shape[0] == 1  # 300 elements hold less than one decode row's scores and K/V: one request each
+        return attend_decode_rows(q, *args)
+
+    attend_decode_rows = cpu_sdpa._attend_decode_rows
+    monkeypatch.setattr(cpu_sdpa, "F", types.SimpleNamespace(scaled_dot_product_attention=sdpa))
+    monkeypatch.setattr(cpu_sdpa, "_attend_decode_rows", decode_rows)
     check([(10, 21), (0, 1), (30, 1), (7, 1), (0, 17)], 4, 2, 32, 4, seed=9)
+    # (10, 21): 300 // (4 heads x 31 keys) = 2 rows per piece, 11 pieces; (0, 17) has no prefix: one causal call;
+    # the three decode rows one at a time
+    assert calls == {"sdpa": 11 + 1 + 3, "decode": 3}
 
 
-def test_nan_rows_are_not_written_into_the_cache():
+def test_nan_rows_are_not_written_into_the_cache(route):
     """A NaN / inf K/V row is stored as 0, so a later owner of the block never reads NaN past its length."""
     q, k, v, cache, meta, _, _ = make_case([(0, 5), (3, 1)], 4, 2, 32, 4, seed=4)
     cache.zero_()
@@ -179,7 +231,7 @@ def test_nan_rows_are_not_written_into_the_cache():
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4), (6, 1), (10, 2)])
 @pytest.mark.parametrize("reqs", [[(37, 1)], [(37, 1), (5, 1)], [(0, 1)], [(200, 1), (3, 2)]])
-def test_one_or_two_decoding_sequences(hq, hkv, reqs):
+def test_one_or_two_decoding_sequences(path, hq, hkv, reqs):
     """Fewer requests than threads: the kernel splits them by KV head group (and one-row items of head_dim 64
     take the register path); the same answer as the dense reference."""
     prev = torch.get_num_threads()
@@ -192,12 +244,10 @@ def test_one_or_two_decoding_sequences(hq, hkv, reqs):
 
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4)])
-def test_a_decode_row_is_the_same_alone_or_in_a_batch(path, hq, hkv):
+def test_a_decode_row_is_the_same_alone_or_in_a_batch(kernel_path, hq, hkv):
     """A decoding sequence's row comes out bit for bit the same whether it runs alone (its work split by KV head
     group over the threads) or among other requests (all its heads in one item), over a context long enough to
     cross the kernel's pieces of copied keys (64) with a tail past a multiple of 8 keys."""
-    if not path.startswith("kernel"):
-        pytest.skip("the kernel's own work split")
     reqs = [(200, 1), (37, 1), (0, 9), (90, 1), (5, 1)]
     q, k, v, cache, meta, _, _ = make_case(reqs, hq, hkv, 64, 16, seed=hq + hkv)
     cache.nan_to_num_(0.0)
@@ -215,12 +265,10 @@ def test_a_decode_row_is_the_same_alone_or_in_a_batch(path, hq, hkv):
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32), (4, 4, 64)])
-def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(path, hq, hkv, d):
+def test_kernel_reads_q_rows_inside_the_fused_qkv_and_writes_every_row(kernel_path, hq, hkv, d):
     """q sliced out of the fused q/k/v output (strided rows) gives the same output as a contiguous copy, for
     decode rows (the one-row kernel at head_dim 64) and multi-row items alike; rows outside every request
     come back zero, although the output is not zero-filled first."""
-    if not path.startswith("kernel"):
-        pytest.skip("the kernel's own contract")
     reqs = [(0, 7), (5, 1), (30, 1), (9, 12), (16, 1)]
     q, k, v, cache, meta, _, _ = make_case(reqs, hq, hkv, d, 4, seed=d + hq, num_padding=3)
     cache.copy_(torch.where(cache.isnan(), torch.zeros_like(cache), cache))
@@ -254,11 +302,9 @@ def test_kernel_refuses_q_whose_heads_are_not_contiguous():
     assert cpu_sdpa._heads_contiguous(bad_q).is_contiguous()
 
 
-def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
+def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(kernel_path):
     """A (1, Hq, D) q counts as contiguous in PyTorch whatever its row stride (size-1 dimension): the kernel
     takes it as it is."""
-    if not path.startswith("kernel"):
-        pytest.skip("the kernel's own contract")
     q, k, v, cache, meta, _, _ = make_case([(20, 1)], 9, 3, 64, 4, seed=3)
     cache.copy_(torch.where(cache.isnan(), torch.zeros_like(cache), cache))
     torch.ops.tallyserve_cpu.write_kv_cache_(k, v, cache, meta.slot_mapping)
@@ -277,12 +323,12 @@ def test_kernel_takes_one_row_whose_row_stride_is_arbitrary(path):
     ([(251, 9), (5, 1), (0, 2)], 4),  # 9 rows whose keys cross the piece boundary; two rows (speculative)
     ([(0, 17), (3, 21)], 1),  # key counts that are not multiples of 8, one-slot blocks
 ])
-def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(path, hq, hkv, reqs, block_size, monkeypatch):
+def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(flash_rows_path, hq, hkv, reqs, block_size,
+                                                               monkeypatch):
     """With the kernel's flash path (head_dim 64, AVX-512 or AVX2), fresh prompts and long chunks whose keys fit
     FAST_ROWS_MAX_KEYS attend in place in one kernel call (no gathered copies, no SDPA): the dense reference's
     answer, float32 and bfloat16 caches."""
-    if not path.startswith("kernel") or not torch.ops.tallyserve_cpu.has_fast_rows():
-        pytest.skip("the kernel's flash path for chunks")
+    assert torch.ops.tallyserve_cpu.has_fast_rows()
     called = []
     monkeypatch.setattr(cpu_sdpa, "_causal_flash", lambda *a: called.append("sdpa"))
     monkeypatch.setattr(cpu_sdpa, "_attend_prefix_and_chunk", lambda *a: called.append("prefix"))
@@ -292,11 +338,9 @@ def test_chunks_read_the_cache_in_place_on_the_flash_rows_path(path, hq, hkv, re
 
 
 @pytest.mark.parametrize("reqs", [[(0, 40), (3, 1)], [(30, 40), (5, 1)], [(0, 24)]])
-def test_chunks_past_the_key_limit_take_the_fused_sdpa(path, reqs, monkeypatch):
+def test_chunks_past_the_key_limit_take_the_fused_sdpa(kernel_path, reqs, monkeypatch):
     """Chunks whose last row sees more than FAST_ROWS_MAX_KEYS keys (long prompts, where PyTorch's SDPA is
     faster) keep the fused SDPA passes: a fresh prompt, and a chunk over a cached prefix."""
-    if not path.startswith("kernel"):
-        pytest.skip("the kernel's routing")
     monkeypatch.setattr(cpu_sdpa, "FAST_ROWS_MAX_KEYS", 20)
     cpu_sdpa._last_plan[:] = [None, None, None]
     check(reqs, 9, 3, 64, 16, seed=len(reqs), num_padding=1)
