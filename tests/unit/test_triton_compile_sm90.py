@@ -2,12 +2,16 @@
 
 The interpreter tests (test_triton_interpret.py) check what the kernels compute; this checks that the
 compiler accepts them (types of loop-carried values, constexpr branches, nested jit helpers) for every
-variant the engine launches, so a kernel that only fails to compile on a GPU fails here first. Triton
-ships ptxas with its NVIDIA backend; the test skips where that backend is missing."""
+variant the engine launches, so a kernel that only fails to compile on a GPU fails here first, and that
+the compiled code is what each variant promises: its matrix products on tensor cores (Hopper's warpgroup
+wgmma where a tile has 64 rows or more), its constexpr branches reading and writing the pointers of their
+mode and no others, the dtype it stores. Triton ships ptxas with its NVIDIA backend; the test skips where
+that backend is missing."""
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -33,6 +37,12 @@ def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
     params = list(inspect.signature(fn.fn).parameters)
     unknown = set(constexprs) - set(params)
     assert not unknown, f"not parameters of {fn.fn.__name__}: {unknown}"
+    # constexprs not given take their defaults, as at a launch (left out, they would compile as runtime ints and
+    # both sides of their branches with them: a variant the engine never launches)
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = {**{k: v for k, v in defaults.items() if k not in constexprs}, **constexprs}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"constexprs of {fn.fn.__name__} without a value: {missing}"
     sig = {p: "constexpr" if p in constexprs else ("*" + PTRS[p] if p in PTRS else "fp32" if p in FLOATS else "i32")
            for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
@@ -46,33 +56,71 @@ def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
 
 
 HEADS = dict(HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, PREC="tf32")
+# bf16 x bf16 -> f32 products on tensor cores: mma.sync for small tiles, Hopper's warpgroup wgmma for 64-row ones
+MMA = re.compile(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b")
+WGMMA = re.compile(r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\b")
+
+
+def _pointers_read(fn, ptx: str) -> set[str]:
+    """The pointer arguments the compiled kernel loads from its parameter space (an argument no branch of this
+    variant touches is never loaded), by name."""
+    runtime = [p.name for p in fn.params if not p.is_constexpr]
+    name = fn.fn.__name__
+    used = {int(i) for i in re.findall(rf"ld\.param\.\w+\s+%\w+,\s*\[{name}_param_(\d+)\]", ptx)}
+    assert used, f"no parameter loads found in {name}'s PTX"
+    return {runtime[i] for i in used if i < len(runtime) and runtime[i].endswith("_ptr")}
 
 
 @pytest.mark.parametrize("cascade", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_kernel_compiles(cascade, split):
+    """Each mode reads and writes exactly its pointers: SPLIT writes float32 partials (outputs and log-sum-exps)
+    and never the bfloat16 output, else the reverse; CASCADE reads the shared prefix's length, else never. The
+    head group's scores and weighted values run on tensor cores; no dependent-launch code (PDL off)."""
     from tallyserve.kernels.paged_attention import _decode_kernel
 
     ptx = _compile(_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=split, CASCADE=cascade, **HEADS))
-    assert "_decode_kernel" in ptx
+    common = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr", "qsl_ptr", "seq_lens_ptr"}
+    outputs = {"part_o_ptr", "part_lse_ptr"} if split else {"o_ptr"}
+    assert _pointers_read(_decode_kernel, ptx) == common | outputs | ({"prefix_len_ptr"} if cascade else set())
+    assert len(MMA.findall(ptx)) >= 2  # q.K^T and p.V
+    if split:  # float32 partials only
+        assert "st.global.b32" in ptx and "st.global.b16" not in ptx
+    else:  # the output rounded to bfloat16 and stored as such
+        assert "cvt.rn.bf16x2.f32" in ptx and "st.global.b16" in ptx and "st.global.b32" not in ptx
+    assert "griddepcontrol" not in ptx
 
 
 @pytest.mark.parametrize("group,head_dim,d_pad,block_m,block_n", [(4, 128, 128, 64, 64), (3, 80, 128, 64, 32),
                                                                   (8, 64, 64, 128, 64)])
 def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n):
+    """The shared prefix's tile of BLOCK_M (>= 64) query rows multiplies on Hopper's warpgroup MMA (wgmma, the point
+    of attending the prefix once for many rows on an H100/H200) and writes float32 partials only."""
     from tallyserve.kernels.paged_attention import _cascade_prefix_kernel
 
     ptx = _compile(_cascade_prefix_kernel, dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16,
                                                 BLOCK_M=block_m, BLOCK_N=block_n, PREC="tf32"))
-    assert "_cascade_prefix_kernel" in ptx
+    assert len(WGMMA.findall(ptx)) >= 2 and "wgmma.wait_group.sync.aligned" in ptx
+    assert _pointers_read(_cascade_prefix_kernel, ptx) == {
+        "q_ptr", "part_o_ptr", "part_lse_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr", "qsl_ptr", "seq_lens_ptr",
+        "prefix_len_ptr"}
+    assert "st.global.b32" in ptx and "st.global.b16" not in ptx
 
 
 def test_prefill_and_reduce_kernels_compile():
+    """The prefill's tiles of query rows multiply on wgmma and store bfloat16 outputs; the reduce merges float32
+    partials into the bfloat16 output with no matrix product at all."""
     from tallyserve.kernels.paged_attention import _prefill_kernel, _reduce_kernel
 
-    assert "_prefill_kernel" in _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32,
-                                                               SKIP_DECODE=True, **HEADS))
-    assert "_reduce_kernel" in _compile(_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), num_warps=1)
+    ptx = _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32, SKIP_DECODE=True, **HEADS))
+    assert len(WGMMA.findall(ptx)) >= 2
+    assert "st.global.b16" in ptx and "st.global.b32" not in ptx
+    assert _pointers_read(_prefill_kernel, ptx) == {"q_ptr", "o_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr",
+                                                   "qsl_ptr", "seq_lens_ptr"}
+    ptx = _compile(_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), num_warps=1)
+    assert _pointers_read(_reduce_kernel, ptx) == {"o_ptr", "part_o_ptr", "part_lse_ptr", "qsl_ptr"}
+    assert "cvt.rn.bf16.f32" in ptx and "st.global.b16" in ptx and "st.global.b32" not in ptx
+    assert not MMA.search(ptx) and not WGMMA.search(ptx) and "griddepcontrol" not in ptx
 
 
 @pytest.mark.parametrize("silu_mul,even_k", [(False, True), (True, True), (False, False)])
