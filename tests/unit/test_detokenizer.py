@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
-from tests.tiny_tokenizer import BUNDLED_GGUF, SLOW_GGUF, TRAINING_TEXT, make_tiny_tokenizer  # noqa: E402
+from tests.tiny_tokenizer import NEEDS_BUNDLED_GGUF, TRAINING_TEXT, bundled_gguf_tokenizer, make_tiny_tokenizer  # noqa: E402,E501
 
 from tallyserve.sampling_params import SamplingParams  # noqa: E402
 from tallyserve.detokenizer import IncrementalDetokenizer  # noqa: E402
@@ -391,10 +391,10 @@ def test_stream_flush_releases_what_the_stream_withholds(tok):
 
 @pytest.fixture(scope="module")
 def gguf_tok():
-    return load_tokenizer(BUNDLED_GGUF)
+    return bundled_gguf_tokenizer()
 
 
-@SLOW_GGUF
+@NEEDS_BUNDLED_GGUF
 @_HYP
 @given(data=st.data(), chunks=st.lists(st.integers(0, 4), max_size=20), skip=st.booleans())
 def test_stream_decoding_bundled_tokenizer(gguf_tok, data, chunks, skip):

@@ -6,7 +6,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
-from tests.tiny_tokenizer import BUNDLED_GGUF, CHATML_TEMPLATE, SLOW_GGUF, make_tiny_tokenizer  # noqa: E402
+from tests.tiny_tokenizer import (  # noqa: E402
+    CHATML_TEMPLATE, NEEDS_BUNDLED_GGUF, bundled_gguf_tokenizer, make_tiny_tokenizer,
+)
 
 from tallyserve.tokenizer import load_tokenizer  # noqa: E402
 
@@ -124,10 +126,10 @@ def test_template_exception_becomes_value_error(tok_dir):
 
 @pytest.fixture(scope="module")
 def gguf_tok():
-    return load_tokenizer(BUNDLED_GGUF)
+    return bundled_gguf_tokenizer()
 
 
-@SLOW_GGUF
+@NEEDS_BUNDLED_GGUF
 def test_load_tokenizer_from_gguf(gguf_tok):
     t = gguf_tok
     assert t.vocab_size == 49152 and t.eos_token_id == 2
