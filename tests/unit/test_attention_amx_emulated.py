@@ -176,6 +176,28 @@ def test_emulated_amx_code_on_random_chunks(emulated, reqs, heads, block_size, s
     _check_emulated(emulated, reqs, heads[0], heads[1], block_size, seed)
 
 
+def test_the_amx_path_is_taken_only_where_the_cpu_has_amx():
+    """The kernel's switch: off whenever asked, and never on where the CPU lacks AMX-BF16 (paged_attention then keeps
+    bfloat16 caches on the float32 path); test_attention_amx.py covers the AMX machines."""
+    if not cpu_kernels.load():
+        pytest.skip("the CPU kernels could not be built here")
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    ops = torch.ops.tallyserve_cpu
+    was = ops.amx_usable()
+    try:
+        assert ops.set_amx(False) is False and ops.amx_usable() is False
+        on = ops.set_amx(True)
+        assert on is ops.amx_usable()
+        if not {"amx_tile", "amx_bf16"} <= flags:
+            assert on is False
+    finally:
+        ops.set_amx(was)
+
+
 # ----------------------------------------------------------------------------- a PyTorch model of the arithmetic
 
 
