@@ -1,16 +1,22 @@
 """AsyncLLMEngine in-process (no HTTP): streams equal the offline engine, closing a stream aborts
 its request and frees its blocks, a dead loop fails everything pending, the queue limit holds; beam
-search groups obey the same rules."""
+search groups obey the same rules.
+
+No test here judges wall-clock time: a step the test needs long is held on an event until the test
+has seen what it checks, the stall window of the queue rule is crossed on the engine's own clock (the
+test moves it), and every wait is bounded by TIMEOUT_S, failing only on a hang."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from tallyserve import LLM, SamplingParams
 from tallyserve.config import EngineArgs
+import tallyserve.engine.async_engine as async_engine_module
 from tallyserve.engine.async_engine import (AsyncLLMEngine, EngineDeadError, FaultKind, QueueFullError,
                                             RequestRejectedError, StepFailedError)
 from tallyserve.engine.beam_search import BeamSearchParams
@@ -37,8 +43,42 @@ async def _final(eng: AsyncLLMEngine, rid: str, prompt, params=GREEDY):
     return last
 
 
+def _hold_next_step(eng: AsyncLLMEngine) -> threading.Event:
+    """The engine's next step is scheduled as usual, then waits before its forward pass until the returned event is
+    set (at most TIMEOUT_S): a step exactly as long as the test needs, ended once it has seen what it waits for."""
+    release = threading.Event()
+
+    def hold(_so) -> None:
+        eng.core.engine.fault_injector = None
+        release.wait(TIMEOUT_S)
+
+    eng.core.engine.fault_injector = hold
+    return release
+
+
+class _Clock:
+    """The engine module's ``time``, with a monotonic clock the test stops and moves (everything else is ``time``'s)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+async def _until(cond, what: str) -> None:
+    """Poll `cond` until it holds; bounded by TIMEOUT_S (fails only on a hang)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def _wait_idle(eng: AsyncLLMEngine) -> dict:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         s = eng.stats()
         if s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
@@ -106,28 +146,33 @@ def test_rejections_and_step_failure(tiny_model_dir):
         eng.shutdown()
 
 
-def test_queue_limit(tiny_model_dir):
+def test_queue_limit(tiny_model_dir, monkeypatch):
     """max_queue_len caps requests waiting in the scheduler; requests the loop has not picked up
     count only once they have sat in its inbox for the stall window (so a stuck loop fills up)."""
     eng = _engine(tiny_model_dir, max_queue_len=2, stall_timeout=0.5)
+    clock = _Clock()
+    monkeypatch.setattr(async_engine_module, "time", clock)  # the engine's clock stands still unless moved
+    release = _hold_next_step(eng)
 
     async def run():
-        eng.inject_fault(FaultKind.STALL, 2.0)
         first = asyncio.create_task(_final(eng, "a", PROMPTS[0]))
-        await asyncio.sleep(0.2)  # "a" is in its first (sleeping) step; the loop picks up nothing now
+        # "a" is in its first (held) step; the loop picks up nothing now
+        await _until(lambda: eng.health().step_running_s is not None, "the held step")
         queued = [asyncio.create_task(_final(eng, rid, p)) for rid, p in (("b", PROMPTS[1]), ("c", PROMPTS[2]))]
-        await asyncio.sleep(0.05)
+        await _until(lambda: eng.health().pending == 3, "b and c in the inbox")
         assert eng.num_waiting() == 0  # just submitted: the loop may yet pick them up
-        await asyncio.sleep(0.6)
+        clock.now += eng.stall_timeout + 0.01
         assert eng.num_waiting() == 2  # in the inbox for longer than the stall window
         with pytest.raises(QueueFullError):
             await _final(eng, "d", PROMPTS[2])
+        release.set()
         return await asyncio.gather(first, *queued)
 
     try:
         outs = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
-        assert all(o.finished for o in outs)
+        assert all(o.finished for o in outs) and [o.request_id for o in outs] == ["a", "b", "c"]
     finally:
+        release.set()
         eng.shutdown()
 
 
@@ -147,12 +192,11 @@ def test_dead_loop_fails_pending_and_refuses_new(tiny_model_dir):
         # kill the loop once every request is generating (a fixed wait let fast steps finish all 400 tokens)
         await asyncio.gather(*(ev.wait() for ev in started))
         eng.inject_fault(FaultKind.KILL_LOOP)
-        t0 = time.monotonic()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        return results, time.monotonic() - t0
+        # bounded: the streams fail when the loop dies (all 400 tokens would take many steps, and end normally)
+        return await asyncio.gather(*tasks, return_exceptions=True)
 
-    results, took = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
-    assert all(isinstance(r, EngineDeadError) for r in results) and took < 1.0
+    results = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    assert all(isinstance(r, EngineDeadError) and "killed" in str(r) for r in results), results
     health = eng.health()
     assert not health.alive and not health.healthy and "killed" in health.reason
     with pytest.raises(EngineDeadError):
@@ -163,15 +207,13 @@ def test_dead_loop_fails_pending_and_refuses_new(tiny_model_dir):
 
 
 async def _until_running(eng: AsyncLLMEngine) -> None:
-    deadline = time.monotonic() + 10
-    while eng.stats()["num_running"] == 0:
-        assert time.monotonic() < deadline, "nothing started running"
-        await asyncio.sleep(0.01)
+    await _until(lambda: eng.stats()["num_running"] > 0, "a request running")
 
 
-def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
+def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir, monkeypatch):
     ref = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, block_size=8).beam_search(PROMPTS[0], BEAM)[0]
     eng = _engine(tiny_model_dir, max_queue_len=2, stall_timeout=1.0)
+    clock = _Clock()
 
     async def run():
         out = await eng.beam_search("b", PROMPTS[0], BEAM)
@@ -180,14 +222,23 @@ def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
         eng.inject_fault(FaultKind.STEP_EXCEPTION)
         with pytest.raises(StepFailedError):
             await eng.beam_search("fails", PROMPTS[0], BEAM)
-        eng.inject_fault(FaultKind.STALL, 2.0)
-        first = asyncio.create_task(eng.beam_search("q1", PROMPTS[1], BEAM))
-        await asyncio.sleep(0.2)  # in its first (sleeping) step: the loop picks up nothing now
-        queued = [asyncio.create_task(eng.beam_search(rid, PROMPTS[2], BEAM)) for rid in ("q2", "q3")]
-        await asyncio.sleep(1.1)  # in the inbox for longer than the stall window: they count as waiting
-        assert eng.num_waiting() == 2
-        with pytest.raises(QueueFullError):
-            await eng.beam_search("over", PROMPTS[2], BEAM)
+        release = _hold_next_step(eng)
+        monkeypatch.setattr(async_engine_module, "time", clock)  # the engine's clock stands still unless moved
+        clock.now = time.monotonic()
+        try:
+            first = asyncio.create_task(eng.beam_search("q1", PROMPTS[1], BEAM))
+            # in its first (held) step: the loop picks up nothing now
+            await _until(lambda: eng.health().step_running_s is not None, "the held step")
+            queued = [asyncio.create_task(eng.beam_search(rid, PROMPTS[2], BEAM)) for rid in ("q2", "q3")]
+            await _until(lambda: eng.health().pending == 3, "q2 and q3 in the inbox")
+            assert eng.num_waiting() == 0  # just submitted: not counted yet
+            clock.now += eng.stall_timeout + 0.01  # in the inbox for longer than the stall window: they count
+            assert eng.num_waiting() == 2
+            with pytest.raises(QueueFullError):
+                await eng.beam_search("over", PROMPTS[2], BEAM)
+        finally:
+            release.set()
+            monkeypatch.setattr(async_engine_module, "time", time)
         await asyncio.gather(first, *queued)
         cancelled = asyncio.create_task(eng.beam_search("gone", PROMPTS[0], LONG_BEAM))
         await _until_running(eng)
@@ -197,15 +248,14 @@ def test_beam_search_matches_offline_and_fails_like_generate(tiny_model_dir):
         pending = asyncio.create_task(eng.beam_search("pending", PROMPTS[1], LONG_BEAM))
         await _until_running(eng)
         eng.inject_fault(FaultKind.KILL_LOOP)
-        t0 = time.monotonic()
-        dead = (await asyncio.gather(pending, return_exceptions=True))[0]
-        return out, idle, dead, time.monotonic() - t0
+        dead = (await asyncio.gather(pending, return_exceptions=True))[0]  # bounded: fails when the loop dies
+        return out, idle, dead
 
-    out, idle, dead, took = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+    out, idle, dead = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
     assert [s.tokens for s in out.sequences] == [s.tokens for s in ref.sequences]
     assert [s.text for s in out.sequences] == [s.text for s in ref.sequences]
     assert idle["num_free_blocks"] == idle["num_total_blocks"] and idle["num_running"] == 0
-    assert isinstance(dead, EngineDeadError) and took < 1.0
+    assert isinstance(dead, EngineDeadError) and "killed" in str(dead), dead
     with pytest.raises(EngineDeadError):
         asyncio.run(asyncio.wait_for(eng.beam_search("late", PROMPTS[0], BEAM), TIMEOUT_S))
     eng.shutdown()

@@ -20,23 +20,10 @@ from tallyserve import SamplingParams
 from tallyserve.engine.async_engine import AsyncLLMEngine, FaultKind
 from tallyserve.engine.health import STALL_FACTOR
 from tests.server.live_server import MODEL, LiveServer
-from tests.server.test_async_engine import GREEDY, PROMPTS, TIMEOUT_S, _engine, _final
+from tests.server.test_async_engine import GREEDY, PROMPTS, TIMEOUT_S, _engine, _final, _hold_next_step
 
 STALL_TIMEOUT_S = 0.5
 MIN_STEP_S = 0.02  # each training step is held this long: a floor under the learned seconds per token
-
-
-def _hold_next_step(eng: AsyncLLMEngine) -> threading.Event:
-    """The engine's next step is scheduled as usual, then waits before its forward pass until the returned event is
-    set (at most TIMEOUT_S): a step exactly as long as the test needs, ended once it has seen what it waits for."""
-    release = threading.Event()
-
-    def hold(_so) -> None:
-        eng.core.engine.fault_injector = None
-        release.wait(TIMEOUT_S)
-
-    eng.core.engine.fault_injector = hold
-    return release
 
 
 def _samples_until(eng: AsyncLLMEngine, request, release: threading.Event, seen) -> list:
