@@ -2,7 +2,11 @@
 stay usable after errors (a 500 included); error messages quote little of the input; bodies over
 the limit get 413 before they are read; big prompts are tokenized off the event loop; half-open
 connections neither exhaust file descriptors nor linger; the OpenAPI schema and docs tell the
-truth; every 429 has Retry-After. Afterwards every KV block is free."""
+truth; every 429 has Retry-After. Afterwards every KV block is free.
+
+"/health still answers" means a 200 within a generous timeout, not a latency bound a loaded machine can
+miss; a timeout the server enforces is checked from below (nothing closed before it) and waited for,
+bounded, from above."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ LOW_SOFT_NOFILE = 256
 HALF_OPEN = 300  # more than LOW_SOFT_NOFILE
 STALL_TIMEOUT_S = 0.5
 GOOD = {"model": MODEL, "prompt": "Hello, world!", "max_tokens": 4, "temperature": 0}
+WAIT_S = 60  # bound on waits for what the server must do (fails only on a hang)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +63,10 @@ def _local_port(r: httpx.Response) -> int:
     return r.extensions["network_stream"].get_extra_info("socket").getsockname()[1]
 
 
-def _health_s(base_url: str) -> float:
-    t0 = time.monotonic()
-    r = httpx.get(base_url + "/health", timeout=5)
+def _health_ok(base_url: str) -> None:
+    """/health answers, and 200 (bounded: fails only if the server does not answer at all)."""
+    r = httpx.get(base_url + "/health", timeout=WAIT_S)
     assert r.status_code == 200, r.text
-    return time.monotonic() - t0
 
 
 def _connect(srv: LiveServer) -> socket.socket:
@@ -193,10 +197,10 @@ def test_half_open_connections_over_the_soft_fd_limit(hostile):
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x")  # no end of headers, ever
             socks.append(s)
         for _ in range(3):
-            assert _health_s(hostile.base_url) < 1.0
+            _health_ok(hostile.base_url)
         closed, saw_408 = 0, False
         for s in socks:
-            s.settimeout(max(0.1, opened + HEADER_TIMEOUT_S + 5 - time.monotonic()))
+            s.settimeout(max(0.1, opened + HEADER_TIMEOUT_S + WAIT_S - time.monotonic()))
             data = b""
             while chunk := s.recv(4096):
                 data += chunk
@@ -207,8 +211,8 @@ def test_half_open_connections_over_the_soft_fd_limit(hostile):
         for s in socks:
             s.close()
     assert closed == HALF_OPEN and saw_408
-    assert HEADER_TIMEOUT_S * 0.9 <= elapsed < HEADER_TIMEOUT_S + 5
-    assert _health_s(hostile.base_url) < 1.0
+    assert HEADER_TIMEOUT_S * 0.9 <= elapsed  # not closed before the header timeout (and all closed, bounded)
+    _health_ok(hostile.base_url)
 
 
 def test_slow_bodies_over_the_soft_fd_limit_get_408(hostile):
@@ -229,10 +233,10 @@ def test_slow_bodies_over_the_soft_fd_limit_get_408(hostile):
                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
             socks.append(s)
         for _ in range(3):
-            assert _health_s(hostile.base_url) < 1.0
+            _health_ok(hostile.base_url)
         answers = []
         for s in socks:
-            s.settimeout(max(0.1, opened + BODY_TIMEOUT_S + 10 - time.monotonic()))
+            s.settimeout(max(0.1, opened + BODY_TIMEOUT_S + WAIT_S - time.monotonic()))
             data = b""
             while chunk := s.recv(4096):  # the server closes the connection after its 408
                 data += chunk
@@ -242,8 +246,8 @@ def test_slow_bodies_over_the_soft_fd_limit_get_408(hostile):
         for s in socks:
             s.close()
     assert answers == [b"HTTP/1.1 408 Request Timeout"] * HALF_OPEN
-    assert BODY_TIMEOUT_S * 0.9 <= elapsed < BODY_TIMEOUT_S + 10
-    assert _health_s(hostile.base_url) < 1.0
+    assert BODY_TIMEOUT_S * 0.9 <= elapsed  # not answered before the body timeout (and all answered, bounded)
+    _health_ok(hostile.base_url)
 
 
 def test_500_keeps_the_connection_usable(hostile):
@@ -259,14 +263,14 @@ def test_500_keeps_the_connection_usable(hostile):
 
 
 def test_body_over_the_limit_gets_413_before_it_is_read(hostile):
-    # Content-Length over the limit: answered from the headers, with no body sent at all.
+    # Content-Length over the limit: answered from the headers, with no body sent at all (had the server waited
+    # for the body, the body timeout would have answered 408).
     with _connect(hostile) as s:
-        t0 = time.monotonic()
+        s.settimeout(WAIT_S)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000000000\r\n\r\n{\"prompt\": \"")
         status, headers, body = _read_response(s)
-        assert time.monotonic() - t0 < 1.0
-        assert _health_s(hostile.base_url) < 0.5  # while that connection is still open
+        _health_ok(hostile.base_url)  # while that connection is still open
     err = json.loads(body)["error"]
     assert status == 413 and headers["connection"] == "close"
     assert set(err) == {"message", "type", "param", "code"} and "1000000000 bytes" in err["message"]
@@ -279,7 +283,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(hostile):
         for i in range(BODY_LIMIT // len(chunk) + 2):
             s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             if i == 10:
-                assert _health_s(hostile.base_url) < 0.5
+                _health_ok(hostile.base_url)
         status, headers, body = _read_response(s)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     # A chunked body under the limit is served as usual.
@@ -294,18 +298,27 @@ def test_large_prompts_are_tokenized_off_the_event_loop(hostile):
               ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text[:1_000_000]}]})]
     for path, body in bodies:
         result: dict = {}
-        t = threading.Thread(target=lambda: result.update(r=httpx.post(hostile.base_url + path, json=body, timeout=60)))
+
+        def post() -> None:
+            t0 = time.monotonic()
+            result["r"] = httpx.post(hostile.base_url + path, json=body, timeout=WAIT_S)
+            result["took"] = time.monotonic() - t0
+
+        t = threading.Thread(target=post)
         t.start()
         latencies = []
         while t.is_alive():
-            latencies.append(_health_s(hostile.base_url))
-            time.sleep(0.05)
+            t0 = time.monotonic()
+            _health_ok(hostile.base_url)
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.01)
         t.join()
         err = result["r"].json()["error"]
         assert result["r"].status_code == 400 and err["code"] == "context_length_exceeded", err
-        # tokenizing takes seconds here: on the event loop, one probe would wait for all of it; off it, probes
-        # answer at once (0.54 s was seen on a loaded 2-core machine, so the bound leaves room for a busy neighbour)
-        assert len(latencies) >= 3 and max(latencies) < 1.5, (path, latencies)
+        # Tokenizing is most of the request's time: on the event loop, a probe sent while it runs would wait for
+        # the rest of it, and few probes would be answered meanwhile. Off it, probes keep being answered, each in
+        # a small part of the request's time (both scale with the machine's speed and load).
+        assert len(latencies) >= 3 and max(latencies) < result["took"] / 2, (path, result["took"], latencies)
 
 
 def test_docs_can_be_disabled(hostile):
@@ -314,26 +327,30 @@ def test_docs_can_be_disabled(hostile):
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
 
 
-def _wait_health(base_url: str, status: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while httpx.get(base_url + "/health", timeout=5).status_code != status:
-        if time.monotonic() > deadline:
+def _wait_health(base_url: str, status: int, while_alive: threading.Thread = None) -> bool:
+    """Poll /health until it answers `status` (while `while_alive` still runs, if given); bounded by WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(base_url + "/health", timeout=WAIT_S).status_code != status:
+        if time.monotonic() > deadline or (while_alive is not None and not while_alive.is_alive()):
             return False
         time.sleep(0.05)
     return True
 
 
 def test_every_429_has_retry_after(hostile):
+    # the stalled request's first step schedules one token: its limit (stall timeout + 8x one token's predicted
+    # time) passes well before the 3 s stall ends, on any machine
+    one = {**GOOD, "prompt": [42]}
     assert httpx.post(hostile.base_url + "/debug/fault", json={"kind": "stall", "seconds": 3.0}).status_code == 200
 
-    def post(out: list) -> None:
-        out.append(httpx.post(hostile.base_url + "/v1/completions", json=GOOD, timeout=30))
+    def post(out: list, body: dict = GOOD) -> None:
+        out.append(httpx.post(hostile.base_url + "/v1/completions", json=body, timeout=WAIT_S))
 
     first: list = []
-    threads = [threading.Thread(target=post, args=(first,))]
+    threads = [threading.Thread(target=post, args=(first, one))]
     threads[0].start()
     # Its step now sleeps; once the loop counts as stalled, one more request may wait, the rest are refused.
-    assert _wait_health(hostile.base_url, 503, 2.5)
+    assert _wait_health(hostile.base_url, 503, while_alive=threads[0])
     rest: list = []
     threads += [threading.Thread(target=post, args=(rest,)) for _ in range(4)]
     for t in threads[1:]:
@@ -345,7 +362,7 @@ def test_every_429_has_retry_after(hostile):
     for r in limited:
         assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
-    assert _wait_health(hostile.base_url, 200, 5.0)
+    assert _wait_health(hostile.base_url, 200)
 
 
 def test_no_kv_blocks_leak(server, hostile):
