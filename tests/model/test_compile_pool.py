@@ -43,11 +43,10 @@ def _until(cond, timeout: float = 20.0) -> bool:
 def test_a_compile_past_its_deadline_is_a_value_error_and_the_next_one_works(tokenizer):
     m = _manager(tokenizer, timeout=1.0)
     m.compile(CHEAP)  # the worker is up
-    t0 = time.monotonic()
+    # (SLOW compiles for about a minute: an error at all, naming the deadline, is the deadline at work)
     with pytest.raises(ValueError, match=r"structured_outputs.json did not compile within 1 s "
                                          r"\(--structured-outputs-compile-timeout\)"):
         m.compile(SLOW)
-    assert time.monotonic() - t0 < 5.0
     assert m.stats.timeouts == 1 and m.stats.failures == 1
     assert m.compile(StructuredOutputsParams(regex="[d-f]+")) is not None  # a new worker took over
     with pytest.raises(ValueError, match="did not compile within"):  # the failure is cached: no second minute
@@ -62,7 +61,7 @@ def test_the_last_waiter_leaving_kills_the_compile(tokenizer):
     assert first.future is second.future and m.stats.cache_hits == 1
     assert _until(lambda: pool.running() == 1)
     m.release(first)  # one waiter is left: the compile goes on
-    time.sleep(0.3)
+    assert not _until(lambda: pool.running() == 0 or first.future.done(), 0.3)  # and it is not cancelled meanwhile
     assert pool.running() == 1 and not first.future.done()
     m.release(second)
     with pytest.raises(CompileCancelledError):
@@ -78,11 +77,9 @@ def test_the_last_waiter_leaving_kills_the_compile(tokenizer):
 def test_shutdown_cancels_this_engines_compiles(tokenizer):
     m = _manager(tokenizer)
     ticket = m.submit(SLOW)
-    t0 = time.monotonic()
     m.shutdown()
-    with pytest.raises(CompileCancelledError):
-        ticket.future.result(5)
-    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(CompileCancelledError):  # at once, not after the minute SLOW compiles for
+        ticket.future.result(10)
 
 
 def test_the_queue_is_bounded():
