@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import socket
-import time
 
 import pytest
 
@@ -245,13 +244,12 @@ def test_killed_worker_makes_executor_dead(model_dirs, victim):
             engine.step()
         assert engine.has_unfinished_requests()
         os.kill(procs[victim].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(ExecutorDeadError, match="exited|closed|gone|did not answer"):
-            for _ in range(50):  # the first step after the kill must already fail
+        # noticed by the worker's exit (or its pipe), not by waiting out the worker timeout ("did not answer",
+        # 300 s): the death itself ends the step, on a loaded machine as on a fast one
+        with pytest.raises(ExecutorDeadError, match="exited with code|closed its pipe|is gone") as err:
+            for _ in range(50):  # the step in flight when the worker dies fails; at most a step or two more
                 engine.step()
-                assert time.monotonic() - t0 < 10
-        elapsed = time.monotonic() - t0
-        assert elapsed < 10, elapsed
+        assert "did not answer" not in str(err.value)
         for p in procs:
             p.join(5)
         assert not any(p.is_alive() for p in procs), [(p.name, p.exitcode) for p in procs]
