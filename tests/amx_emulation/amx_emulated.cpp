@@ -1,5 +1,5 @@
-// The AMX attention code (a copy of tallyserve/kernels/csrc/attention_amx_cpu.cpp, built beside the emulated
-// amx_tiles.h of this directory), called through a C interface from tests/unit/test_attention_amx_emulated.py.
+// The kernel's AMX attention code (tallyserve/kernels/csrc/attention_amx_cpu.cpp, found through -I), built with
+// amx_emulation.h force-included, called through a C interface from tests/unit/test_attention_amx_emulated.py.
 #include "attention_amx_cpu.cpp"
 
 #define EMULATION_API extern "C" __attribute__((visibility("default")))

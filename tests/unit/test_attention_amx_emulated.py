@@ -2,10 +2,11 @@
 CPU with AMX-BF16 and skips elsewhere).
 
 Two checks of the same logic:
-  * the kernel's own code, ``attention_amx_cpu.cpp`` unchanged, built against software tiles
-    (``tests/amx_emulation/amx_tiles.h``: TDPBF16PS as Intel's pseudocode defines it) and called item by item as
-    ``paged_attention_cpu.cpp`` calls it: the same answer as the float32 path to float32 rounding, against a float64
-    reference, on the shapes test_attention_amx.py uses. Needs g++ and AVX-512F (the kernel's vector code).
+  * the kernel's own code, ``attention_amx_cpu.cpp`` unchanged, built with its AMX path on and every tile
+    instruction replaced by software tiles (``tests/amx_emulation/amx_emulation.h``, force-included: TDPBF16PS as
+    Intel's pseudocode defines it) and called item by item as ``paged_attention_cpu.cpp`` calls it: the same answer
+    as the float32 path to float32 rounding, against a float64 reference, on the shapes test_attention_amx.py uses.
+    Needs g++ and AVX-512F (the kernel's vector code).
   * a PyTorch model of its arithmetic that runs everywhere: three truncated bfloat16 parts carry all of float32's
     bits, products of bfloat16 values are exact in float32, and the per-piece online softmax over 64-key pieces with
     the causal mask in the lanes gives the float32 path's answer, where one bfloat16 rounding of the queries would
@@ -35,27 +36,25 @@ K_PIECE = 64  # attention_amx_cpu.cpp's kPiece: keys per piece of the online sof
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The AMX code built against the emulated tiles, as a ctypes library (skips without g++ or AVX-512F)."""
+    """The AMX code built with emulated tiles, as a ctypes library (skips without g++ or AVX-512F)."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         pytest.skip("no C++ compiler")
-    build = tmp_path_factory.mktemp("amx-emulation")
-    for name in ("attention_amx_cpu.cpp", "attention_amx_cpu.h", "cpu_math.h"):
-        shutil.copy(CSRC / name, build / name)
-    for name in ("amx_tiles.h", "amx_emulated.cpp"):  # the emulated tiles replace the kernel's amx_tiles.h
-        shutil.copy(EMULATION / name, build / name)
-    (build / "torch").mkdir()
-    shutil.copy(EMULATION / "torch" / "library.h", build / "torch" / "library.h")
-    library = build / "libamx_emulated.so"
-    # the kernel's flags; its namespace renamed and its symbols kept local, so it never meets the real kernels'
-    cmd = [compiler, "-std=c++17", "-O2", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-           "-fvisibility=hidden", "-Wl,-Bsymbolic", "-Dtallyserve_amx=tallyserve_amx_emulated", f"-I{build}",
-           "-o", str(library), str(build / "amx_emulated.cpp")]
+    native = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                            text=True, timeout=60).stdout
+    if "__AVX512F__" not in native:
+        pytest.skip("this CPU has no AVX-512F: the AMX code's vector parts cannot run here")
+    library = tmp_path_factory.mktemp("amx-emulation") / "libamx_emulated.so"
+    # the kernel's flags, its AMX path switched on (the tile instructions come only from the intrinsics the
+    # emulation replaces); its namespace renamed and its symbols kept local, so it never meets the real kernels'
+    cmd = [compiler, "-std=c++17", "-O2", "-march=native", "-mamx-tile", "-mamx-bf16", "-mavx512bf16",
+           "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fvisibility=hidden", "-Wl,-Bsymbolic",
+           "-Dtallyserve_amx=tallyserve_amx_emulated", "-include", str(EMULATION / "amx_emulation.h"),
+           f"-I{EMULATION}", f"-I{CSRC}", "-o", str(library), str(EMULATION / "amx_emulated.cpp")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     lib = ctypes.CDLL(str(library))
-    if not lib.amx_emulation_built():
-        pytest.skip("this CPU has no AVX-512F: the AMX code's vector parts cannot run here")
+    assert lib.amx_emulation_built(), "the kernel's AMX path was not compiled in"
     lib.amx_emulation_rows_per_item.restype = ctypes.c_long
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.amx_emulation_rows_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]

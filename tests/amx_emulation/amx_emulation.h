@@ -1,7 +1,8 @@
-// Software AMX tiles for tests/unit/test_attention_amx_emulated.py: stands in for the kernel's amx_tiles.h in a
-// copy of attention_amx_cpu.cpp, so the AMX attention code runs, unchanged, on any CPU with AVX-512F (its vector
-// code needs that; the tile instructions are emulated here). The tile state is eight tiles of 16 rows x 64 bytes
-// per thread, in the one configuration the kernel uses (TileScope: every tile 16 x 64 bytes).
+// Software AMX tiles for tests/unit/test_attention_amx_emulated.py, force-included (-include) into a build of the
+// kernel's own attention_amx_cpu.cpp, unchanged: the build enables the AMX ISA flags (so the kernel compiles its AMX
+// path) and this header replaces every tile instruction the kernel uses with code that runs on any CPU with
+// AVX-512F (the kernel's vector code needs that). The tile state is eight tiles of 16 rows x 64 bytes per thread,
+// in the one configuration the kernel uses (every tile 16 x 64 bytes); configuring and releasing it are no-ops.
 //
 // TDPBF16PS as Intel's pseudocode defines it: for each row m, each pair k of the A row, each column n,
 //   C[m][n] += fp32(A[m].bf16[2k]) * fp32(B[k].bf16[2n]);  C[m][n] += fp32(A[m].bf16[2k+1]) * fp32(B[k].bf16[2n+1])
@@ -9,15 +10,10 @@
 // the order of the float32 sums can differ from the hardware's.
 #pragma once
 
+#include <immintrin.h>  // first: its tile intrinsics are replaced below, and later includes of it are no-ops
+
 #include <cstdint>
 #include <cstring>
-
-#if defined(__AVX512F__) && defined(__linux__)
-#define TALLYSERVE_HAVE_AMX 1
-#include <immintrin.h>
-#else
-#define TALLYSERVE_HAVE_AMX 0
-#endif
 
 namespace tallyserve_amx_emulation {
 
@@ -69,23 +65,13 @@ inline void dpbf16ps(int dst, int a, int b) {
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_loadconfig
+#undef _tile_storeconfig
+#undef _tile_release
 #define _tile_loadd(t, base, stride) ::tallyserve_amx_emulation::loadd((t), (base), (stride))
 #define _tile_stored(t, base, stride) ::tallyserve_amx_emulation::stored((t), (base), (stride))
 #define _tile_zero(t) ::tallyserve_amx_emulation::zero(t)
 #define _tile_dpbf16ps(dst, a, b) ::tallyserve_amx_emulation::dpbf16ps((dst), (a), (b))
-
-namespace tallyserve_amx {
-
-#if TALLYSERVE_HAVE_AMX
-inline bool tile_state_granted() { return true; }
-
-// The real TileScope saves and restores the thread's tile configuration; the emulated tiles need none.
-class TileScope {
- public:
-  TileScope() = default;
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
-#endif
-
-}  // namespace tallyserve_amx
+#define _tile_loadconfig(config) ((void)(config))
+#define _tile_storeconfig(config) ((void)(config))  // the saved configuration stays empty: released on exit
+#define _tile_release() ((void)0)
