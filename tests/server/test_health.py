@@ -79,7 +79,7 @@ def test_long_step_within_its_prediction_stays_healthy(tiny_model_dir):
     in_step = [h for h in samples if h.step_running_s is not None and h.step_tokens == n]
     assert max(h.step_running_s for h in in_step) > 2 * STALL_TIMEOUT_S  # well past the stall timeout
     assert max(h.seconds_since_heartbeat for h in samples) > 2 * STALL_TIMEOUT_S  # the old rule: "stalled"
-    assert all(h.step_limit_s == pytest.approx(limit) for h in in_step)
+    assert in_step[0].step_limit_s == pytest.approx(limit)  # the limit health judged the held step by
     unhealthy = [h.reason for h in samples if not h.healthy]
     assert not unhealthy, unhealthy[:1]
 
