@@ -167,7 +167,7 @@ def profile_batch(llm, batch: int, context: int, steps: int, sampling: bool = Fa
 
 
 # the kernels of a decode graph's body: everything else in a step is the work around the graph
-BODY_KERNELS = ("_gemv_kernel", "_add_rms_norm_kernel", "_decode_kernel", "_rotary_write_kv_kernel", "_reduce_kernel")
+BODY_KERNELS = ("_gemv_kernel", "_add_rms_norm_kernel", "decode_kernel", "_rotary_write_kv_kernel", "reduce_kernel")
 
 
 def _step_timeline(kernels) -> dict:

@@ -139,13 +139,14 @@ def report(root: Path) -> dict:
         "cross_package_cycles": cycles,
         "packages_tangled_in_cycles": tangles,
         "upward_imports": upward,
-        "function_level_imports": sum(1 for *_, f in imports if f),
+        "function_level_import_statements": len({(src, line) for src, _, line, f in imports if f}),
         "private_reach_ins": _reach_ins(root),
         "tallyserve_python_files": len(py),
         "tallyserve_python_lines": sum(len(p.read_text().splitlines()) for p in py),
         "environment_variables": sorted(envs),
         "docs_files": sum(1 for p in (root / "docs").rglob("*") if p.is_file()),
-        "benchmarks_files": sum(1 for p in (root / "benchmarks").rglob("*") if p.is_file() and "__pycache__" not in p.parts),
+        "benchmarks_python_files": sum(1 for p in (root / "benchmarks").glob("*.py")),
+        "benchmarks_results_files": sum(1 for p in (root / "benchmarks" / "results").glob("*") if p.is_file()),
         "readme_lines": len((root / "README.md").read_text().splitlines()),
     }
 

@@ -21,7 +21,7 @@ from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.kernels.kv_cache_write import write_kv_cache
 from tallyserve.kernels import pdl
 from tallyserve.kernels.paged_attention import (
-    LOG2E, MAX_HEAD_DIM, _cascade_prefix_kernel, _decode_kernel, _prefill_kernel, _reduce_kernel,
+    LOG2E, MAX_HEAD_DIM, cascade_prefix_kernel, decode_kernel, prefill_kernel, reduce_kernel,
 )
 
 
@@ -121,7 +121,7 @@ def paged_attention(
         block_m = max(16, g_pad, min(block_m, want))
         block_q = block_m // g_pad
         grid = (num_tokens // block_q + num_reqs, num_kv_heads)
-        _prefill_kernel[grid](
+        prefill_kernel[grid](
             q, out, *tensors, num_reqs, num_reqs.bit_length(), qk_scale, *strides,
             GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
             BLOCK_Q=block_q, BLOCK_N=prefill_block_n, SKIP_DECODE=True, PREC=prec,
@@ -177,7 +177,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
     prefix_len_t = meta.prefix_kv_lens if cascade else meta.seq_lens  # read only with CASCADE
     heads_first = config.decode_heads_first and num_reqs <= 65535  # a grid's second axis holds at most 65,535
     grid = (num_kv_heads, num_reqs, splits) if heads_first else (num_reqs, num_kv_heads, splits)
-    _decode_kernel[grid](
+    decode_kernel[grid](
         q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale,
         *strides, num_q_heads, splits, num_slots,
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
@@ -187,7 +187,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
     )
     if cascade:
         # the shared prefix: row 0 of the block table names its blocks (the same in every row)
-        _cascade_prefix_kernel[(triton.cdiv(num_reqs * group, block_m_prefix), num_kv_heads, prefix_splits)](
+        cascade_prefix_kernel[(triton.cdiv(num_reqs * group, block_m_prefix), num_kv_heads, prefix_splits)](
             q, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, meta.prefix_kv_lens, qk_scale,
             strides[0], strides[1], *strides[5:], num_reqs, num_q_heads, prefix_splits, num_slots, splits,
             GROUP=group, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m_prefix,
@@ -195,7 +195,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
             **_stages(config.cascade_num_stages),
         )
     if num_slots > 1:
-        _reduce_kernel[(num_reqs, num_q_heads)](
+        reduce_kernel[(num_reqs, num_q_heads)](
             out, part_o, part_lse, meta.query_start_loc, strides[2], strides[3], num_q_heads, num_slots,
             HEAD_DIM=q.shape[2], D_PAD=d_pad, S_PAD=triton.next_power_of_2(max(num_slots, config.max_splits)),
             num_warps=1, **pdl.launch_options(q.device),

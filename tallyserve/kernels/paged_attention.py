@@ -4,19 +4,19 @@ Reference: ``torch_ref.paged_attention`` (the parity target; tests/unit/test_tri
 runs these kernels under ``TRITON_INTERPRET=1`` against it, tests/gpu at full size).
 
 Two kernels cover a mixed batch, each skipping the other's requests (decided on the device):
-  * ``_prefill_kernel``: requests with more than one query row (prefill chunks over a cached
+  * ``prefill_kernel``: requests with more than one query row (prefill chunks over a cached
     prefix, causal within the chunk). A program owns one KV head and a tile of BLOCK_Q query
     tokens x all GROUP query heads of that KV head (rows = token * G_PAD + head), so each K/V
     tile is loaded once for the whole GQA group. Programs find their request by a binary search
     over query_start_loc: request i owns program ids [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q
     + i + 1), which always covers its cdiv(len, BLOCK_Q) tiles; spare programs exit. So the grid
     (T // BLOCK_Q + num_reqs, Hkv) needs only host-known sizes.
-  * ``_decode_kernel`` (+ ``_reduce_kernel``): requests with one query row, split-K over the
+  * ``decode_kernel`` (+ ``reduce_kernel``): requests with one query row, split-K over the
     context (flash decoding) when there are too few (request, KV head) pairs to fill the GPU;
     each split writes a normalised partial output and its log-sum-exp, the reduce merges them.
-  * ``_cascade_prefix_kernel``: decode rows whose first KV blocks are one prefix every request
+  * ``cascade_prefix_kernel``: decode rows whose first KV blocks are one prefix every request
     shares (cascade attention): the prefix attended once per KV tile for a tile of request x head
-    rows; ``_decode_kernel`` (CASCADE) then attends each request's own keys and the reduce merges.
+    rows; ``decode_kernel`` (CASCADE) then attends each request's own keys and the reduce merges.
 All use fp32 accumulation and an online softmax in base 2. Every length is read from device
 tensors; host values only pick tile sizes and grid bounds, so a decode step can be captured in a
 CUDA graph (capture with ``max_seq_len`` set to the capture-time bound). A request with
@@ -108,7 +108,7 @@ def _attend_split(
 # multiples of 16 of each, at a second or more per compile mid-run), so batches of any size and
 # block-table width reuse one compiled kernel per tile shape.
 @triton.jit(do_not_specialize=["num_reqs", "search_steps", "stride_bt"])
-def _prefill_kernel(
+def prefill_kernel(
     q_ptr, o_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, search_steps, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -168,7 +168,7 @@ def _prefill_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_slots", "stride_bt"])
-def _decode_kernel(
+def decode_kernel(
     q_ptr, o_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch, num_q_heads,
     num_splits, num_slots,
@@ -177,7 +177,7 @@ def _decode_kernel(
     PDL: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     """Keys [kv_start, seq_len) of one decode request and KV head, split ``num_splits`` ways. With
-    CASCADE, kv_start is the shared prefix length (``_cascade_prefix_kernel`` attends the keys below
+    CASCADE, kv_start is the shared prefix length (``cascade_prefix_kernel`` attends the keys below
     it) and the partials go to slots [0, num_splits) of the ``num_slots`` each query head has. ``PDL``:
     a dependent launch (kernels/pdl.py). ``HEADS_FIRST``: the grid is (KV heads, requests, splits), so
     programs that run together read the KV heads of one request (one cache row holds them side by side);
@@ -223,7 +223,7 @@ def _decode_kernel(
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "num_slots", "slot0"])
-def _cascade_prefix_kernel(
+def cascade_prefix_kernel(
     q_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
     qk_scale, stride_qt, stride_qh, stride_cb, stride_co, stride_ch, num_reqs, num_q_heads, num_splits, num_slots,
     slot0,
@@ -264,7 +264,7 @@ def _cascade_prefix_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _reduce_kernel(
+def reduce_kernel(
     o_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_q_heads, num_splits,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):

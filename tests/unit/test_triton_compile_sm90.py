@@ -77,12 +77,12 @@ def test_decode_kernel_compiles(cascade, split):
     """Each mode reads and writes exactly its pointers: SPLIT writes float32 partials (outputs and log-sum-exps)
     and never the bfloat16 output, else the reverse; CASCADE reads the shared prefix's length, else never. The
     head group's scores and weighted values run on tensor cores; no dependent-launch code (PDL off)."""
-    from tallyserve.kernels.paged_attention import _decode_kernel
+    from tallyserve.kernels.paged_attention import decode_kernel
 
-    ptx = _compile(_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=split, CASCADE=cascade, **HEADS))
+    ptx = _compile(decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=split, CASCADE=cascade, **HEADS))
     common = {"q_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr", "qsl_ptr", "seq_lens_ptr"}
     outputs = {"part_o_ptr", "part_lse_ptr"} if split else {"o_ptr"}
-    assert _pointers_read(_decode_kernel, ptx) == common | outputs | ({"prefix_len_ptr"} if cascade else set())
+    assert _pointers_read(decode_kernel, ptx) == common | outputs | ({"prefix_len_ptr"} if cascade else set())
     assert len(MMA.findall(ptx)) >= 2  # q.K^T and p.V
     if split:  # float32 partials only
         assert "st.global.b32" in ptx and "st.global.b16" not in ptx
@@ -96,12 +96,12 @@ def test_decode_kernel_compiles(cascade, split):
 def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n):
     """The shared prefix's tile of BLOCK_M (>= 64) query rows multiplies on Hopper's warpgroup MMA (wgmma, the point
     of attending the prefix once for many rows on an H100/H200) and writes float32 partials only."""
-    from tallyserve.kernels.paged_attention import _cascade_prefix_kernel
+    from tallyserve.kernels.paged_attention import cascade_prefix_kernel
 
-    ptx = _compile(_cascade_prefix_kernel, dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16,
+    ptx = _compile(cascade_prefix_kernel, dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=16,
                                                 BLOCK_M=block_m, BLOCK_N=block_n, PREC="tf32"))
     assert len(WGMMA.findall(ptx)) >= 2 and "wgmma.wait_group.sync.aligned" in ptx
-    assert _pointers_read(_cascade_prefix_kernel, ptx) == {
+    assert _pointers_read(cascade_prefix_kernel, ptx) == {
         "q_ptr", "part_o_ptr", "part_lse_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr", "qsl_ptr", "seq_lens_ptr",
         "prefix_len_ptr"}
     assert "st.global.b32" in ptx and "st.global.b16" not in ptx
@@ -110,15 +110,15 @@ def test_cascade_prefix_kernel_compiles(group, head_dim, d_pad, block_m, block_n
 def test_prefill_and_reduce_kernels_compile():
     """The prefill's tiles of query rows multiply on wgmma and store bfloat16 outputs; the reduce merges float32
     partials into the bfloat16 output with no matrix product at all."""
-    from tallyserve.kernels.paged_attention import _prefill_kernel, _reduce_kernel
+    from tallyserve.kernels.paged_attention import prefill_kernel, reduce_kernel
 
-    ptx = _compile(_prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32, SKIP_DECODE=True, **HEADS))
+    ptx = _compile(prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32, SKIP_DECODE=True, **HEADS))
     assert len(WGMMA.findall(ptx)) >= 2
     assert "st.global.b16" in ptx and "st.global.b32" not in ptx
-    assert _pointers_read(_prefill_kernel, ptx) == {"q_ptr", "o_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr",
+    assert _pointers_read(prefill_kernel, ptx) == {"q_ptr", "o_ptr", "k_cache_ptr", "v_cache_ptr", "bt_ptr",
                                                    "qsl_ptr", "seq_lens_ptr"}
-    ptx = _compile(_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), num_warps=1)
-    assert _pointers_read(_reduce_kernel, ptx) == {"o_ptr", "part_o_ptr", "part_lse_ptr", "qsl_ptr"}
+    ptx = _compile(reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), num_warps=1)
+    assert _pointers_read(reduce_kernel, ptx) == {"o_ptr", "part_o_ptr", "part_lse_ptr", "qsl_ptr"}
     assert "cvt.rn.bf16.f32" in ptx and "st.global.b16" in ptx and "st.global.b32" not in ptx
     assert not MMA.search(ptx) and not WGMMA.search(ptx) and "griddepcontrol" not in ptx
 
@@ -140,7 +140,7 @@ def test_gemv_kernel_compiles_with_dependent_launch(silu_mul, even_k):
 
 def test_the_other_decode_kernels_are_dependent_launches():
     from tallyserve.kernels.kv_cache_write import _write_kv_kernel
-    from tallyserve.kernels.paged_attention import _decode_kernel, _reduce_kernel
+    from tallyserve.kernels.paged_attention import decode_kernel, reduce_kernel
     from tallyserve.kernels import pdl
     from tallyserve.kernels.fused_ops import (
         _add_rms_norm_kernel, _qk_norm_rotary_kernel, _rotary_kernel, _rotary_write_kv_kernel,
@@ -157,8 +157,8 @@ def test_the_other_decode_kernels_are_dependent_launches():
             (_rotary_write_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, BLOCK=64, HEADS=16,
                                            QK_NORM=False), 1),
             (_write_kv_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, BLOCK=1024), 4),
-            (_reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), 1),
-            (_decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=True, CASCADE=False, **HEADS), 4)]:
+            (reduce_kernel, dict(HEAD_DIM=128, D_PAD=128, S_PAD=32), 1),
+            (decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=True, CASCADE=False, **HEADS), 4)]:
         ptx = _compile(fn, dict(consts, PDL=True), num_warps=warps)
         # the wait comes before any load: nothing an earlier kernel writes is read before it
         assert "griddepcontrol.launch_dependents" in ptx, fn.fn.__name__
