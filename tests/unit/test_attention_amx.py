@@ -17,6 +17,17 @@ AMX = OPS is not None and OPS.amx_usable()
 pytestmark = pytest.mark.skipif(not AMX, reason="no AMX-BF16 on this CPU (or the kernels could not be built)")
 
 
+# (query heads, KV heads) and (requests as (cached, new) tokens, block size): shared with test_attention_amx_emulated
+HEADS = [(9, 3), (4, 4), (8, 2), (6, 1), (12, 3)]
+CASES = [
+    ([(0, 40)], 16),  # one prompt: three row tiles, the last partial
+    ([(0, 150), (0, 1), (17, 33)], 16),  # an item of 64 rows and a second one; a decode row; a chunk over a prefix
+    ([(200, 9), (5, 3), (0, 2)], 4),  # keys across several 64-key pieces; speculative rows
+    ([(0, 17), (3, 21)], 1),  # one-slot blocks: no two keys of a tile share a block
+    ([(70, 66)], 32),  # rows past one item, keys past one piece, both unaligned
+]
+
+
 def _attend(q, cache, meta, amx: bool) -> torch.Tensor:
     OPS.set_amx(amx)
     try:
@@ -62,14 +73,8 @@ def _check(reqs, hq, hkv, block_size, seed, q_scale=1.0):
     return amx
 
 
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (6, 1), (12, 3)])
-@pytest.mark.parametrize("reqs,block_size", [
-    ([(0, 40)], 16),  # one prompt: three row tiles, the last partial
-    ([(0, 150), (0, 1), (17, 33)], 16),  # an item of 64 rows and a second one; a decode row; a chunk over a prefix
-    ([(200, 9), (5, 3), (0, 2)], 4),  # keys across several 64-key pieces; speculative rows
-    ([(0, 17), (3, 21)], 1),  # one-slot blocks: no two keys of a tile share a block
-    ([(70, 66)], 32),  # rows past one item, keys past one piece, both unaligned
-])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("reqs,block_size", CASES)
 def test_amx_path_equals_the_float32_path(hq, hkv, reqs, block_size):
     _check(reqs, hq, hkv, block_size, seed=hq * 7 + block_size)
 

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tallyserve.kernels import cpu_kernels
-from tests.unit.test_attention_amx import _case, _float64_reference
+from tests.unit.test_attention_amx import CASES, HEADS, _case, _float64_reference
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 EMULATION = Path(__file__).resolve().parents[1] / "amx_emulation"
@@ -141,14 +141,8 @@ def _check_emulated(lib, reqs, hq, hkv, block_size, seed, q_scale=1.0):
     return q, cache, meta, amx
 
 
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2), (6, 1), (12, 3)])
-@pytest.mark.parametrize("reqs,block_size", [
-    ([(0, 40)], 16),  # one prompt: three row tiles, the last partial
-    ([(0, 150), (0, 1), (17, 33)], 16),  # an item of 64 rows and a second one; a decode row; a chunk over a prefix
-    ([(200, 9), (5, 3), (0, 2)], 4),  # keys across several 64-key pieces; speculative rows
-    ([(0, 17), (3, 21)], 1),  # one-slot blocks: no two keys of a tile share a block
-    ([(70, 66)], 32),  # rows past one item, keys past one piece, both unaligned
-])
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("reqs,block_size", CASES)
 def test_emulated_amx_code_equals_the_float32_path(emulated, hq, hkv, reqs, block_size):
     _check_emulated(emulated, reqs, hq, hkv, block_size, seed=hq * 7 + block_size)
 
