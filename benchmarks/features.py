@@ -188,11 +188,11 @@ def cmd_structured(argv: list[str], prog: str) -> int:
 
     tokens = sum(lengths)
     stats = engine.stats()
-    cstats = engine.structured.manager.stats
+    cstats = engine.structured.stats
     result = {
         "model": args.model, "load_format": args.load_format, "device": str(engine.device),
         "async_scheduling": engine.async_scheduling, "num_requests": args.num_requests, "items": args.items,
-        "grammar_vocab_size": engine.structured.manager.grammar_vocab_size,
+        "grammar_vocab_size": engine.structured.grammar_vocab_size,
         "output_tokens": tokens, "finished_stop": sum(o.outputs[0].finish_reason == "stop" for o in so_outs),
         "valid_json_answers": parsed,
         "structured_s": round(so_s, 3), "plain_s": round(plain_s, 3), "repeats": args.repeats,
