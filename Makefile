@@ -30,7 +30,7 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check --no-cache tallyserve tests benchmarks
+	$(BIN)/ruff check --no-cache tallyserve tests benchmarks tools
 	$(BIN)/lint-imports --no-cache
 
 fuzz: $(STAMP)
