@@ -37,14 +37,15 @@ def _attend(q, cache, meta, amx: bool) -> torch.Tensor:
         OPS.set_amx(True)
 
 
-def _float64_reference(q, full_k, full_v, reqs, meta) -> torch.Tensor:
-    """Dense causal attention in float64 over the cache's bfloat16 K/V."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
+def _dense_reference(q, full_k, full_v, reqs, meta, dtype=torch.float64) -> torch.Tensor:
+    """Dense causal attention over the cache's bfloat16 K/V, computed in ``dtype`` (float64: the reference;
+    float32: what the float32 path computes, to rounding)."""
+    out = torch.zeros(q.shape, dtype=dtype)
     for i, (cached, new) in enumerate(reqs):
         lo = meta.query_start_loc_cpu[i]
-        k = full_k[i].double().repeat_interleave(q.shape[1] // full_k[i].shape[1], dim=1)
-        v = full_v[i].double().repeat_interleave(q.shape[1] // full_v[i].shape[1], dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[lo:lo + new].double(), k) * q.shape[2] ** -0.5
+        k = full_k[i].to(dtype).repeat_interleave(q.shape[1] // full_k[i].shape[1], dim=1)
+        v = full_v[i].to(dtype).repeat_interleave(q.shape[1] // full_v[i].shape[1], dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[lo:lo + new].to(dtype), k) * q.shape[2] ** -0.5
         pos = torch.arange(cached, cached + new)[:, None]
         s = s.masked_fill(torch.arange(cached + new)[None, :] > pos, float("-inf"))
         out[lo:lo + new] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
@@ -65,7 +66,7 @@ def _case(reqs, hq, hkv, block_size, seed, q_scale=1.0):
 def _check(reqs, hq, hkv, block_size, seed, q_scale=1.0):
     q, cache, meta, full_k, full_v = _case(reqs, hq, hkv, block_size, seed, q_scale)
     amx, f32 = _attend(q, cache, meta, True), _attend(q, cache, meta, False)
-    ref = _float64_reference(q, full_k, full_v, reqs, meta)
+    ref = _dense_reference(q, full_k, full_v, reqs, meta)
     err_amx, err_f32 = (amx.double() - ref).abs().max().item(), (f32.double() - ref).abs().max().item()
     # float32 rounding on both paths: the AMX path's products are exact, only the order of the sums differs
     assert err_amx <= 2 * err_f32 + 1e-6, (err_amx, err_f32)
@@ -85,7 +86,7 @@ def test_queries_of_wide_range_keep_float32_precision():
     q, cache, meta, full_k, full_v = _case([(30, 50)], 9, 3, 16, seed=5, q_scale=30.0)
     q[:, :, ::2] *= 1e-3
     amx, f32 = _attend(q, cache, meta, True), _attend(q, cache, meta, False)
-    ref = _float64_reference(q, full_k, full_v, [(30, 50)], meta)
+    ref = _dense_reference(q, full_k, full_v, [(30, 50)], meta)
     assert (amx.double() - ref).abs().max() <= 2 * (f32.double() - ref).abs().max() + 1e-6
     # what a single bfloat16 rounding of q would give: visibly worse, so the test can tell
     rounded = _attend(q.to(torch.bfloat16).float(), cache, meta, False)

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tallyserve.kernels import cpu_kernels
-from tests.unit.test_attention_amx import CASES, HEADS, _case, _float64_reference
+from tests.unit.test_attention_amx import CASES, HEADS, _case, _dense_reference
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 EMULATION = Path(__file__).resolve().parents[1] / "amx_emulation"
@@ -98,7 +98,7 @@ def _float32_path(q, cache, meta) -> torch.Tensor:
     """The kernel's float32 path over the same bfloat16 cache (the AMX path off), or a float32 dense attention where
     the kernels are not built."""
     if not cpu_kernels.load():
-        return _dense_float32(q, *_full_kv(cache, meta), _reqs(meta), meta)
+        return _dense_reference(q, *_full_kv(cache, meta), _reqs(meta), meta, torch.float32)
     ops = torch.ops.tallyserve_cpu
     was = ops.amx_usable()
     ops.set_amx(False)
@@ -130,7 +130,7 @@ def _full_kv(cache, meta):
 def _check_emulated(lib, reqs, hq, hkv, block_size, seed, q_scale=1.0):
     q, cache, meta, full_k, full_v = _case(reqs, hq, hkv, block_size, seed, q_scale)
     amx, f32 = _attend_emulated(lib, q, cache, meta), _float32_path(q, cache, meta)
-    ref = _float64_reference(q, full_k, full_v, reqs, meta)
+    ref = _dense_reference(q, full_k, full_v, reqs, meta)
     err_amx, err_f32 = (amx.double() - ref).abs().max().item(), (f32.double() - ref).abs().max().item()
     # float32 rounding on both paths, only the order of the sums differs. The emulated TDPBF16PS rounds after every
     # product, as Intel's pseudocode writes it, and a score sums six tile products: a few more roundings than the
@@ -158,7 +158,7 @@ def test_emulated_amx_code_keeps_float32_precision_for_queries_of_wide_range(emu
     q, cache, meta, full_k, full_v = _case([(30, 50)], 9, 3, 16, seed=5, q_scale=30.0)
     q[:, :, ::2] *= 1e-3
     amx, f32 = _attend_emulated(emulated, q, cache, meta), _float32_path(q, cache, meta)
-    ref = _float64_reference(q, full_k, full_v, [(30, 50)], meta)
+    ref = _dense_reference(q, full_k, full_v, [(30, 50)], meta)
     assert (amx.double() - ref).abs().max() <= 4 * (f32.double() - ref).abs().max() + 2e-6
     rounded = _float32_path(q.to(torch.bfloat16).float(), cache, meta)
     assert (rounded.double() - ref).abs().max() > 10 * (amx.double() - ref).abs().max()
@@ -279,8 +279,8 @@ def _model_attention(q, cache, meta, parts: int = 3) -> torch.Tensor:
 ])
 def test_model_of_the_amx_arithmetic_equals_float32_attention(hq, hkv, reqs, block_size):
     q, cache, meta, full_k, full_v = _case(reqs, hq, hkv, block_size, seed=hq + block_size)
-    ref = _float64_reference(q, full_k, full_v, reqs, meta)
-    dense32 = _dense_float32(q, full_k, full_v, reqs, meta)
+    ref = _dense_reference(q, full_k, full_v, reqs, meta)
+    dense32 = _dense_reference(q, full_k, full_v, reqs, meta, torch.float32)
     model = _model_attention(q, cache, meta)
     err_model, err_f32 = (model.double() - ref).abs().max().item(), (dense32.double() - ref).abs().max().item()
     assert err_model <= 2 * err_f32 + 1e-6, (err_model, err_f32)
@@ -291,23 +291,9 @@ def test_model_needs_all_three_parts_of_the_queries():
     (a single bfloat16 rounding of q) it is off by far more."""
     q, cache, meta, full_k, full_v = _case([(30, 50)], 9, 3, 16, seed=5, q_scale=30.0)
     q[:, :, ::2] *= 1e-3
-    ref = _float64_reference(q, full_k, full_v, [(30, 50)], meta)
+    ref = _dense_reference(q, full_k, full_v, [(30, 50)], meta)
     three = (_model_attention(q, cache, meta).double() - ref).abs().max()
     one = (_model_attention(q, cache, meta, parts=1).double() - ref).abs().max()
-    dense32 = (_dense_float32(q, full_k, full_v, [(30, 50)], meta).double() - ref).abs().max()
+    dense32 = (_dense_reference(q, full_k, full_v, [(30, 50)], meta, torch.float32).double() - ref).abs().max()
     assert three <= 2 * dense32 + 1e-6
     assert one > 10 * three
-
-
-def _dense_float32(q, full_k, full_v, reqs, meta) -> torch.Tensor:
-    """Dense causal attention in float32 (what the float32 path computes, to rounding)."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    for i, (cached, new) in enumerate(reqs):
-        lo = meta.query_start_loc_cpu[i]
-        k = full_k[i].float().repeat_interleave(q.shape[1] // full_k[i].shape[1], dim=1)
-        v = full_v[i].float().repeat_interleave(q.shape[1] // full_v[i].shape[1], dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[lo:lo + new], k) * q.shape[2] ** -0.5
-        s = s.masked_fill(torch.arange(cached + new)[None, :] > torch.arange(cached, cached + new)[:, None],
-                          float("-inf"))
-        out[lo:lo + new] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
-    return out
