@@ -9,6 +9,7 @@ from typing import Any, Optional
 from tallyserve.config.kv_transfer import KVTransferConfig
 from tallyserve.config.model import ModelConfig
 from tallyserve.config.parse import json_object_arg  # noqa: F401 - part of this package's interface
+from tallyserve.config.quantization import QUANTIZATION_METHODS
 from tallyserve.config.speculative import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -109,6 +110,8 @@ class EngineArgs:
     served_model_name: Optional[str] = None
     load_format: str = "auto"
     dtype: str = "auto"
+    # "fp8": quantize the projections to FP8 at load (an FP8 checkpoint is FP8 without it); None: as the checkpoint
+    quantization: Optional[str] = None
     device: str = "auto"
     seed: int = 0
     max_model_len: Optional[int] = None
@@ -165,6 +168,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got "
+                             f"{self.quantization!r}")
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):

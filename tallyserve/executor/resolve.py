@@ -14,6 +14,7 @@ import torch
 from tallyserve.config import EngineArgs
 from tallyserve.config.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tallyserve.config.model import ModelConfig, check_tensor_parallel
+from tallyserve.config.quantization import Fp8Config, resolve_quantization
 from tallyserve.models.loader import ResolvedModel, resolve_model
 from tallyserve.tokenizer import load_tokenizer as load_tokenizer_from
 
@@ -28,6 +29,7 @@ class ResolvedEngine:
     eos_token_ids: tuple[int, ...]
     served_model_name: str
     tokenizer_dir: Optional[str]
+    quantization: Optional[Fp8Config] = None  # the projections' FP8 scheme (quantization="fp8", an FP8 checkpoint)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -45,6 +47,7 @@ def resolve_engine(args: EngineArgs, load_tokenizer: bool = True) -> tuple[Resol
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                          f"max_position_embeddings ({mc.max_position_embeddings})")
     check_tensor_parallel(mc, args.tensor_parallel_size)  # before any process or weight
+    quantization = resolve_quantization(mc.hf_config, args.quantization)  # likewise: unsupported schemes fail here
     device = resolve_device(args.device)
     tokenizer_dir = args.tokenizer or model.tokenizer_dir
     tokenizer = load_tokenizer_from(tokenizer_dir) if load_tokenizer else None
@@ -54,5 +57,5 @@ def resolve_engine(args: EngineArgs, load_tokenizer: bool = True) -> tuple[Resol
         eos.append(tok_eos)
     resolved = ResolvedEngine(args, model, device, resolve_dtype(args.dtype, device),
                               resolve_kv_cache_dtype(args.dtype, device), tuple(eos),
-                              args.served_model_name or model.served_name, tokenizer_dir)
+                              args.served_model_name or model.served_name, tokenizer_dir, quantization)
     return resolved, tokenizer

@@ -43,7 +43,8 @@ class UniProcExecutor(Executor):
         args, resolved, device, dtype, eos_token_ids = r.args, r.model, r.device, r.dtype, r.eos_token_ids
         mc = resolved.model_config
         record_memory_baseline(device)  # what other processes hold on the card is not ours
-        model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device))
+        model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device),
+                           quantization=args.quantization)
         # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
         model.enable_fused_kernels()
         apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections

@@ -53,6 +53,14 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return True
 
 
+def usable_fp8(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` serves one row of half-precision x against an FP8 e4m3 weight (with its scales)."""
+    if not (x.is_cuda or pdl.INTERPRET) or triton is None or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    return weight.dtype == torch.float8_e4m3fn and x.dtype in _DTYPES and weight.is_contiguous() and \
+        envs.TALLYSERVE_TRITON_GEMV
+
+
 def _overrides() -> dict[tuple[int, int], tuple[int, int, int]]:
     """``TALLYSERVE_GEMV_TILES="4096x12288=8,512,4;..."``: (BLOCK_N, BLOCK_K, num_warps) for exact (N, K)
     shapes, for A/B runs of tile choices; anything unparsable is an error (a typo must not pass silently)."""
@@ -115,9 +123,10 @@ if triton is not None:
         return tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, s_ptr, N, K, stride_wn, stride_sn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+                     SILU_MUL: tl.constexpr, PDL: tl.constexpr, SCALE: tl.constexpr = 0,
+                     SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
         pdl.launch_dependents(PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,22 +140,34 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         pdl.wait(PDL)
         x = _load_input(x_ptr, 0, offs_k, K, SILU_MUL=SILU_MUL, EVEN_K=EVEN_K)
-        acc = w.to(tl.float32) * x[None, :]
+        wf = w.to(tl.float32)
+        if SCALE == 2:  # FP8 weight, one scale per (SCALE_BN, SCALE_BK) block; a K tile lies in one block
+            s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn
+            wf = wf * tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+        acc = wf * x[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & (k0 + offs_k[None, :] < K), other=0.0)
             x = _load_input(x_ptr, k0, offs_k, K, SILU_MUL=SILU_MUL, EVEN_K=EVEN_K)
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(out_ptr + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+            wf = w.to(tl.float32)
+            if SCALE == 2:
+                wf = wf * tl.load(s_ptrs + k0 // SCALE_BK, mask=n_ok, other=0.0)[:, None]
+            acc += wf * x[None, :]
+        out = tl.sum(acc, axis=1)
+        if SCALE == 1:  # FP8 weight, one scale per output row
+            out = out * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-         silu_mul_input: bool = False) -> torch.Tensor:
+         silu_mul_input: bool = False, scale: Optional[torch.Tensor] = None,
+         scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """``x @ weight.T`` for one row x (1, K) and weight (N, K); with ``silu_mul_input`` x is
     ``[gate | up]`` (1, 2K) and the product is ``silu_mul(x) @ weight.T``. Returns (1, N) in
-    ``out_dtype`` (default x's dtype)."""
+    ``out_dtype`` (default x's dtype). An FP8 weight comes with its float32 ``scale``: (N,) per row, or
+    (ceil(N / bn), ceil(K / bk)) per ``scale_block`` (bn, bk)."""
     n, k = weight.shape
     width = 2 * k if silu_mul_input else k
     if x.shape != (1, width):
@@ -154,7 +175,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: Optional[torch.dtype]
     x = x.contiguous()
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, warps = _config(n, k)
+    mode, sbn, sbk, stride_sn = 0, 1, 1, 0
+    if scale is not None:
+        mode = 1 if scale_block is None else 2
+        if scale_block is not None:
+            sbn, sbk = scale_block
+            stride_sn = scale.stride(0)
+            block_k = min(block_k, sbk)
+            if sbk % block_k:
+                raise ValueError(f"gemv: scale blocks of {sbk} columns are not whole tiles of {block_k}")
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        SILU_MUL=silu_mul_input, num_warps=warps, **pdl.launch_options(x.device))
+        x, weight, out, scale if scale is not None else out, n, k, weight.stride(0), stride_sn, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul_input, SCALE=mode, SCALE_BN=sbn, SCALE_BK=sbk,
+        num_warps=warps, **pdl.launch_options(x.device))
     return out

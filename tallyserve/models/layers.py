@@ -26,24 +26,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tallyserve.config.quantization import Fp8Config
 from tallyserve.distributed import parallel_state
 from tallyserve.kernels import fused_ops, gemv
 from tallyserve.models.cpu_products import CPU_GEMV_MAX_ROWS, cpu_gemv_serves
+from tallyserve.quantization.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: Optional[torch.Tensor] = None,
            out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``F.linear``, returned in ``out_dtype`` (default x's dtype). With a weight stored in another dtype than
     ``x`` (bfloat16 weights, float32 activations), x is rounded to the weight's dtype for the product and the
-    bias (kept in the model's dtype) is added to the converted product."""
+    bias (kept in the model's dtype) is added to the converted product. An ``Fp8Weight`` goes to the FP8
+    product (``quantization.fp8.fp8_linear``)."""
+    if isinstance(weight, Fp8Weight):  # an FP8 projection (quantization="fp8" or an FP8 checkpoint)
+        return fp8_linear(x, weight, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
     if gemv.usable(x, weight):  # one row on CUDA: the batch-1 decode step
         out = gemv.gemv(x, weight, out_dtype)
@@ -230,15 +235,82 @@ def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[ShardSpec,
     return ShardSpec(0, start, min(per_partition, vocab_size - start), vocab_size), per_partition
 
 
-class ColumnParallelLinear(nn.Linear):
+class _ProjectionLinear(nn.Linear):
+    """A projection that may store its weight in FP8 (``quant``: the model's FP8 scheme, applied when it covers
+    ``prefix``, the projection's checkpoint name): then ``weight`` is e4m3 of the same shape, ``weight_scale``
+    float32 (one per output row, or per block), ``input_scale`` the static activation scale if the scheme has
+    one, and ``fp8`` the (block, activation) layout; ``projection_weight`` hands ``linear`` the three together.
+    On a device without FP8 products the loader turns it back into a plain weight (``dequantize_fp8``)."""
+
+    def _init_fp8(self, quant: Optional[Fp8Config], prefix: str) -> None:
+        self.fp8: Optional[tuple[Optional[tuple[int, int]], str]] = None
+        if quant is None or not quant.is_quantized(prefix):
+            return
+        n, k = self.weight.shape
+        device = self.weight.device
+        block = quant.block_size
+        scale_shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+        self.weight = nn.Parameter(torch.empty((n, k), dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        if quant.static_input_scale:
+            self.input_scale = nn.Parameter(torch.empty((), dtype=torch.float32, device=device), requires_grad=False)
+        self.fp8 = (block, quant.activation)
+
+    def projection_weight(self) -> torch.Tensor | Fp8Weight:
+        """The weight as ``linear`` takes it: the tensor, or an FP8 weight with its scales."""
+        if self.fp8 is None:
+            return self.weight
+        return Fp8Weight(self.weight, self.weight_scale, self.fp8[0], self.fp8[1],
+                         self.input_scale if self.fp8[1] == "static" else None)
+
+    @torch.no_grad()
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """Store the weight FP8 stands for in ``dtype`` and drop the scales: a plain projection from now on."""
+        if self.fp8 is None:
+            return
+        weight = self.projection_weight().dequantize(dtype)
+        del self.weight_scale
+        if self.fp8[1] == "static":
+            del self.input_scale
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.fp8 = None
+
+
+@torch.no_grad()
+def fuse_projections(projs: Sequence[_ProjectionLinear], dtype: Optional[torch.dtype] = None) -> torch.Tensor | Fp8Weight:
+    """One weight for projections that share their input, stacked by output rows (in ``dtype``, default their
+    own; FP8 weights stay FP8, their scales stacked too). Each projection's weight (and scales) become views of it:
+    no extra memory."""
+    if projs[0].fp8 is None:
+        fused = torch.cat([p.weight for p in projs]).to(dtype or projs[0].weight.dtype)
+        weights, scales = fused, None
+    else:
+        fused = Fp8Weight.cat([p.projection_weight() for p in projs])
+        weights, scales = fused.weight, fused.scale
+    row = scale_row = 0
+    for p in projs:
+        rows = p.weight.shape[0]
+        p.weight.data = weights[row:row + rows]
+        row += rows
+        if scales is not None:
+            scale_rows = p.weight_scale.shape[0]
+            p.weight_scale.data = scales[scale_row:scale_row + scale_rows]
+            scale_row += scale_rows
+    return fused
+
+
+class ColumnParallelLinear(_ProjectionLinear):
     """y_local = x W_local^T + b_local with W's output rows split across ranks (``shard``: which
     rows; default an even split). The output stays local (no communication)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_size: int = 1,
-                 tp_rank: int = 0, shard: Optional[ShardSpec] = None) -> None:
+                 tp_rank: int = 0, shard: Optional[ShardSpec] = None, quant: Optional[Fp8Config] = None,
+                 prefix: str = "") -> None:
         self.tp_size = tp_size
         self.shard = shard or even_shard(output_size, tp_size, tp_rank, dim=0)
         super().__init__(input_size, self.shard.size, bias=bias)
+        self._init_fp8(quant, prefix)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         if self.tp_size == 1:
@@ -246,26 +318,27 @@ class ColumnParallelLinear(nn.Linear):
         return {"weight": self.shard, **({"bias": self.shard} if self.bias is not None else {})}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.projection_weight(), self.bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_ProjectionLinear):
     """y = all_reduce(x_local W_local^T) + b, with W's input columns split across ranks and the
     bias replicated (added once, after the reduce)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, quant: Optional[Fp8Config] = None, prefix: str = "") -> None:
         self.tp_size = tp_size
         self.shard = even_shard(input_size, tp_size, tp_rank, dim=1)
         super().__init__(self.shard.size, output_size, bias=bias)
+        self._init_fp8(quant, prefix)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         return {"weight": self.shard} if self.tp_size > 1 else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        return self.reduce(linear(x, self.weight))
+            return linear(x, self.projection_weight(), self.bias)
+        return self.reduce(linear(x, self.projection_weight()))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's product ``x_local W_local^T`` -> the layer's output (all-reduce, then the bias)."""
@@ -322,25 +395,21 @@ class GatedMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)); gate/up column-parallel, down row-parallel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *, tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, quant: Optional[Fp8Config] = None, prefix: str = "") -> None:
         super().__init__()
-        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
-        self.gate_up_weight: Optional[torch.Tensor] = None  # set by fuse()
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank, quant=quant)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, prefix=f"{prefix}.gate_proj", **tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, prefix=f"{prefix}.up_proj", **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj", **tp)
+        self.gate_up_weight: Optional[torch.Tensor | Fp8Weight] = None  # set by fuse()
 
     @torch.no_grad()
     def fuse(self, dtype: Optional[torch.dtype] = None) -> None:
         """One gate/up projection (in ``dtype``, default the weights' own); the two Linear weights become
         views of it (no extra memory)."""
-        if self.gate_proj.bias is not None:
+        if self.gate_proj.bias is not None or (self.gate_proj.fp8 is None) != (self.up_proj.fp8 is None):
             return  # rare; the separate projections stay
-        n = self.gate_proj.weight.shape[0]
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(
-            dtype or self.gate_proj.weight.dtype)
-        self.gate_proj.weight.data = self.gate_up_weight[:n]
-        self.up_proj.weight.data = self.gate_up_weight[n:]
+        self.gate_up_weight = fuse_projections([self.gate_proj, self.up_proj], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
@@ -358,9 +427,13 @@ class GatedMLP(nn.Module):
                     out[lo:lo + part.shape[0]] = part
                 return out
             gate_up = linear(x, self.gate_up_weight)
-            if gemv.usable(gate_up, self.down_proj.weight):
+            down = self.down_proj
+            if gemv.usable(gate_up, down.weight):
                 # one row on CUDA: the down projection applies SiLU-and-multiply as it loads its input
-                return self.down_proj.reduce(gemv.gemv(gate_up, self.down_proj.weight, silu_mul_input=True))
+                return down.reduce(gemv.gemv(gate_up, down.weight, silu_mul_input=True))
+            if down.fp8 is not None and gemv.usable_fp8(gate_up, down.weight):  # the same with an FP8 weight
+                return down.reduce(gemv.gemv(gate_up, down.weight, silu_mul_input=True, scale=down.weight_scale,
+                                             scale_block=down.fp8[0]))
             # dtype="bfloat16" on the CPU: x arrives in bfloat16, so gate/up, SiLU-mul and down stay in it
             return self.down_proj(fused_ops.silu_mul(gate_up))
         if self.gate_proj.bias is not None:  # a bfloat16 x (dtype="bfloat16"): biases, SiLU-mul in the model's dtype

@@ -44,10 +44,13 @@ from tallyserve.models.layers import (
     ShardSpec,
     VocabParallelEmbedding,
     apply_rotary,
+    fuse_projections,
     linear,
     vocab_shard,
 )
 from tallyserve.config.model import ModelConfig, check_tensor_parallel
+from tallyserve.config.quantization import Fp8Config
+from tallyserve.quantization.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,8 @@ def _projection_biases(config: ModelConfig) -> tuple[bool, bool]:
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: q/k/v column-parallel, o_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes,
+                 quant: Optional[Fp8Config] = None, prefix: str = "") -> None:
         super().__init__()
         if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError(
@@ -111,17 +115,19 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         qkv_bias, o_bias = _projection_biases(config)
         hidden, q_size, kv_size = config.hidden_size, config.num_attention_heads * d, config.num_key_value_heads * d
-        kw = dict(tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        kw = dict(tp_size=tp.tp_size, tp_rank=tp.tp_rank, quant=quant)
         kv_shard = ShardSpec(0, tp.kv_head_start * d, tp.num_kv_heads * d, kv_size)
-        self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, **kw)
-        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, **kw)
-        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, **kw)
-        self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, **kw)
+        self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, prefix=f"{prefix}.q_proj", **kw)
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, prefix=f"{prefix}.k_proj",
+                                           **kw)
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, shard=kv_shard, prefix=f"{prefix}.v_proj",
+                                           **kw)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, prefix=f"{prefix}.o_proj", **kw)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): [q; k; v] in one matrix
+        self.qkv_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse(): [q; k; v] in one matrix
         self.qkv_bias: torch.Tensor | None = None
         self.act_dtype: torch.dtype | None = None  # set by set_matmul_dtype: q/k/v come back in the model's dtype
 
@@ -130,16 +136,14 @@ class LlamaAttention(nn.Module):
         """One q/k/v projection (in ``dtype``, default the weights' own); the three Linear weights become
         views of it (no extra memory)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight for p in projs]).to(dtype or self.q_proj.weight.dtype)
+        self.qkv_weight = fuse_projections(projs, dtype)
         if self.q_proj.bias is not None:
             self.qkv_bias = torch.cat([p.bias for p in projs])
-        start = 0
-        for p in projs:
-            rows = p.weight.shape[0]
-            p.weight.data = self.qkv_weight[start:start + rows]
-            if self.qkv_bias is not None:
+            start = 0
+            for p in projs:
+                rows = p.weight.shape[0]
                 p.bias.data = self.qkv_bias[start:start + rows]
-            start += rows
+                start += rows
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -196,14 +200,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes,
+                 quant: Optional[Fp8Config] = None, prefix: str = "") -> None:
         super().__init__()
         mlp_bias = bool(config.hf_config.get("mlp_bias", False)) if config.model_type == "llama" else False
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attn_backend, tp)
+        self.self_attn = LlamaAttention(config, attn_backend, tp, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias,
-                            tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+                            tp_size=tp.tp_size, tp_rank=tp.tp_rank, quant=quant, prefix=f"{prefix}.mlp")
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -216,12 +221,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes,
+                 quant: Optional[Fp8Config] = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_size=tp.tp_size, tp_rank=tp.tp_rank)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, tp) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attn_backend, tp, quant, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -279,15 +286,16 @@ class LlamaForCausalLM(nn.Module):
     supports_output_rows = True  # forward(..., out_rows): the last layer for the sampled rows only
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, quant_config: Optional[Fp8Config] = None) -> None:
         super().__init__()
         self.config = config
+        self.quant_config = quant_config
         self.attn_backend = attn_backend
         self.tp = TensorParallelShapes.create(config, tp_size, tp_rank)
         window = config.hf_config.get("sliding_window")
         if config.hf_config.get("use_sliding_window", True) and window and window < config.max_position_embeddings:
             logger.warning("sliding_window=%s is ignored: every layer attends to its full context", window)
-        self.model = LlamaModel(config, attn_backend, self.tp)
+        self.model = LlamaModel(config, attn_backend, self.tp, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
         self.tie_weights()
 

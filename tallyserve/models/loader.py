@@ -21,9 +21,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tallyserve.config.model import ModelConfig
+from tallyserve.config.quantization import Fp8Config, resolve_quantization
+from tallyserve.models import fp8_loader
 from tallyserve.models.bundled import BUNDLED_ALIASES, BUNDLED_SERVED_NAME, bundled_gguf_path
 from tallyserve.models.layers import ShardSpec
-from tallyserve.config.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -174,17 +176,38 @@ def resolve_model(model: Optional[str], load_format: str = "auto") -> ResolvedMo
     )
 
 
-def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
+def _cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` on the meta device, except the FP8 projections' weights and float32 scales."""
+    for module in model.modules():
+        fp8 = getattr(module, "fp8", None) is not None
+        for pname, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and not (fp8 and pname != "bias"):
+                param.data = param.data.to(dtype)
+
+
+def _init_dummy(model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
     """Every parameter ~ N(0, 0.02), norm weights 1.0; deterministic from seed (per device type).
 
     Under tensor parallelism a split parameter is drawn at its full (tp_size 1) shape from the
     same generator stream and then sliced, so every rank holds exactly the tp_size 1 values of its
     slice (each rank draws the whole model's numbers: as slow as tp_size 1, no slower)."""
     shards = _weight_shards(model)
+    fp8 = fp8_loader.fp8_layers(model)
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed))
     with torch.no_grad():
         for name, param in model.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            layer = fp8.get(module_name)
+            if layer is not None:  # drawn like the unquantized weight (the same numbers), then quantized
+                if leaf == "weight":
+                    spec = shards.get(name)
+                    shape = _full_shape(param, spec) if spec is not None else tuple(param.shape)
+                    full = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, DUMMY_STD, generator=gen)
+                    fp8_loader.init_dummy(layer, full, spec)
+                elif leaf == "bias":
+                    param.normal_(0.0, DUMMY_STD, generator=gen)
+                continue  # the scales come with the weight
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name not in shards:
@@ -227,24 +250,34 @@ def _read_shard(f, name: str, param: torch.Tensor, spec: ShardSpec, file: str) -
     return sl[tuple(index)]
 
 
-def _load_safetensors(model: nn.Module, files: tuple[str, ...]) -> None:
+def _load_safetensors(model: nn.Module, files: tuple[str, ...], quant: Optional[Fp8Config]) -> None:
     """Copy checkpoint tensors into the model by name; a split parameter (tensor parallelism)
-    reads only this rank's slice."""
+    reads only this rank's slice; FP8 projections load through ``fp8_loader``."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
     shards = _weight_shards(model)
+    fp8 = fp8_loader.fp8_layers(model)
     tied = model.config.tie_word_embeddings
     loaded, unexpected = set(), []
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    module_name, _, leaf = name.rpartition(".")
+                    if module_name in fp8:
+                        loaded.update(fp8_loader.load_tensor(fp8[module_name], module_name, leaf, f, file, quant))
+                        continue
+                    if leaf in fp8_loader.KV_SCALE_LEAVES:
+                        continue  # an FP8 KV cache's scales: read by the KV cache, not the weights
                     param = params.get(name)
                     if param is None:
                         if not ((name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq")):
                             unexpected.append(name)
                         continue
+                    if fp8_loader.is_fp8_tensor(f, name):
+                        raise ValueError(f"{name} is FP8 in {file}, but the quantization_config leaves it unquantized "
+                                         "(it is in ignored_layers / ignore, or the config has no FP8 scheme)")
                     if name in shards:
                         _copy_shard(param, _read_shard(f, name, param, shards[name], file), shards[name])
                         loaded.add(name)
@@ -288,13 +321,18 @@ def load_model(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quantization: Optional[str] = None,
 ) -> nn.Module:
     """Build the model on ``device`` in ``dtype`` (eval mode, no grads) and fill its weights.
 
     ``tp_size > 1``: build rank ``tp_rank``'s shard of the model and read only its slices of the
     weights (see ``models/llama.py``). Loading needs no process group (so one process can build
     any rank's shard); running a sharded model needs ``tallyserve.distributed.init_tensor_parallel``
-    with the same size and rank. Bad tp arguments raise ValueError before any weight is read."""
+    with the same size and rank. Bad tp arguments raise ValueError before any weight is read.
+
+    ``quantization="fp8"`` (vLLM's name) quantizes the projections at load; an FP8 checkpoint (its
+    ``quantization_config``) loads as FP8 either way (``config/quantization.py`` says which schemes). On a device
+    without FP8 products the FP8 projections are dequantized once into ``dtype`` (``fp8_loader.finish``)."""
     from tallyserve.attention.backend import get_attn_backend
     from tallyserve.models.registry import get_model_class
 
@@ -308,16 +346,24 @@ def load_model(
     if not dummy and not resolved.weight_files:
         raise ValueError(f"no weight files for {resolved.model_dir!r}; use load_format='dummy' for random weights")
     device = torch.device(device)
+    quant = resolve_quantization(resolved.model_config.hf_config, quantization)
     cls = get_model_class(resolved.model_config.architecture)
     with torch.device("meta"):  # shapes only: nothing is allocated or initialised twice
-        tp_kwargs = {} if tp_size == 1 else dict(tp_size=tp_size, tp_rank=tp_rank)
-        model = cls(resolved.model_config, attn_backend or get_attn_backend("torch"), **tp_kwargs)
-    model = model.to(dtype).to_empty(device=device)
+        kwargs = {} if tp_size == 1 else dict(tp_size=tp_size, tp_rank=tp_rank)
+        if quant is not None:
+            kwargs["quant_config"] = quant
+        model = cls(resolved.model_config, attn_backend or get_attn_backend("torch"), **kwargs)
+    if quant is not None:
+        fp8_loader.check_layout(model, quant)
+    _cast_floating(model, dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()  # to_empty replaces parameters, which unties shared ones
     if dummy:
-        _init_dummy(model, seed, device)
+        _init_dummy(model, seed, device, dtype)
     else:
-        _load_safetensors(model, resolved.weight_files)
+        _load_safetensors(model, resolved.weight_files, quant)
+    if quant is not None:
+        fp8_loader.finish(model, quant, device, dtype)
     model.eval()
     model.requires_grad_(False)
     return model

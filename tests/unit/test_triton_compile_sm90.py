@@ -29,7 +29,7 @@ PTRS = {"cos_ptr": "fp32", "sin_ptr": "fp32", "qw_ptr": "bf16", "kw_ptr": "bf16"
         "slot_ptr": "i64", "cache_ptr": "bf16", "q_ptr": "bf16", "o_ptr": "bf16", "k_cache_ptr": "bf16",
         "v_cache_ptr": "bf16", "bt_ptr": "i32",
         "qsl_ptr": "i32", "seq_lens_ptr": "i32", "prefix_len_ptr": "i32", "part_o_ptr": "fp32",
-        "part_lse_ptr": "fp32", "x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16"}
+        "part_lse_ptr": "fp32", "x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16", "s_ptr": "fp32"}
 FLOATS = ("qk_scale", "eps")
 
 
