@@ -33,7 +33,7 @@ PTRS = {"cos_ptr": "fp32", "sin_ptr": "fp32", "qw_ptr": "bf16", "kw_ptr": "bf16"
 FLOATS = ("qk_scale", "eps")
 
 
-def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
+def _compile(fn, constexprs: dict, num_warps: int = 4, ptrs: dict | None = None) -> str:
     params = list(inspect.signature(fn.fn).parameters)
     unknown = set(constexprs) - set(params)
     assert not unknown, f"not parameters of {fn.fn.__name__}: {unknown}"
@@ -43,7 +43,8 @@ def _compile(fn, constexprs: dict, num_warps: int = 4) -> str:
     constexprs = {**{k: v for k, v in defaults.items() if k not in constexprs}, **constexprs}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"constexprs of {fn.fn.__name__} without a value: {missing}"
-    sig = {p: "constexpr" if p in constexprs else ("*" + PTRS[p] if p in PTRS else "fp32" if p in FLOATS else "i32")
+    types = {**PTRS, **(ptrs or {})}
+    sig = {p: "constexpr" if p in constexprs else ("*" + types[p] if p in types else "fp32" if p in FLOATS else "i32")
            for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
     try:
@@ -164,3 +165,54 @@ def test_the_other_decode_kernels_are_dependent_launches():
         assert "griddepcontrol.launch_dependents" in ptx, fn.fn.__name__
         assert 0 <= ptx.find("griddepcontrol.wait") < ptx.find("ld.global"), fn.fn.__name__
         assert "griddepcontrol" not in _compile(fn, dict(consts, PDL=False), num_warps=warps), fn.fn.__name__
+
+
+# FP8 e4m3 x e4m3 -> f32 products: Hopper's warpgroup wgmma (k32 per instruction for 8-bit operands), or mma.sync
+FP8_MMA = re.compile(r"\b(wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3|mma\.sync\.aligned\.m16n8k32\.row\.col"
+                     r"\.f32\.e4m3\.e4m3\.f32)\b")
+MMA_F16 = re.compile(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b")
+FP8_GEMM_PTRS = {"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "c_ptr": "bf16", "as_ptr": "fp32", "bs_ptr": "fp32",
+                 "bias_ptr": "bf16"}
+
+
+@pytest.mark.parametrize("block_m,block_n,warps", [(128, 128, 8), (16, 64, 4)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fp8_gemm_kernel_compiles(block_m, block_n, warps, has_bias):
+    """The FP8 product's 128-row tiles multiply e4m3 by e4m3 on Hopper's wgmma; 16-row tiles (decode batches, where
+    the weight read is the cost) convert e4m3 to f16 in registers for mma.sync. Both read the two scale arrays, the
+    bias only when there is one, and store bfloat16."""
+    from tallyserve.kernels.fp8_gemm import _fp8_gemm_kernel
+
+    ptx = _compile(_fp8_gemm_kernel, dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=has_bias, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, PDL=False), num_warps=warps,
+                   ptrs=FP8_GEMM_PTRS)
+    if block_m >= 64:
+        assert FP8_MMA.search(ptx) and "wgmma.mma_async" in ptx, "no e4m3 wgmma"
+    else:
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and MMA_F16.search(ptx)
+    want = {"a_ptr", "b_ptr", "c_ptr", "as_ptr", "bs_ptr"} | ({"bias_ptr"} if has_bias else set())
+    assert _pointers_read(_fp8_gemm_kernel, ptx) == want
+    assert "st.global.b16" in ptx or "st.global.v4.b16" in ptx or "st.global.v2.b32" in ptx
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_quantize_rows_kernel_compiles(static):
+    """Activation quantization rounds to e4m3 with saturation; a static scale is read, never written."""
+    from tallyserve.kernels.fp8_gemm import _quantize_rows_kernel
+
+    ptx = _compile(_quantize_rows_kernel, dict(GROUP=128, STATIC=static, PDL=False),
+                   ptrs={"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "static_ptr": "fp32"})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    used = _pointers_read(_quantize_rows_kernel, ptx)
+    assert used == ({"x_ptr", "q_ptr", "static_ptr"} if static else {"x_ptr", "q_ptr", "s_ptr"})
+
+
+@pytest.mark.parametrize("scale", [1, 2])
+def test_gemv_kernel_with_an_fp8_weight_compiles(scale):
+    """The one-row product over an FP8 weight converts e4m3 pairs in registers and reads its scales."""
+    from tallyserve.kernels.gemv import _gemv_kernel
+
+    ptx = _compile(_gemv_kernel, dict(BLOCK_N=16, BLOCK_K=128, EVEN_K=True, SILU_MUL=False, PDL=False, SCALE=scale,
+                                      SCALE_BN=128, SCALE_BK=128), ptrs={"w_ptr": "fp8e4nv"})
+    assert re.search(r"cvt\.rn\.(f16x2|bf16x2)\.e4m3x2", ptx)
+    assert "s_ptr" in _pointers_read(_gemv_kernel, ptx)
