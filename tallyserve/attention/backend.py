@@ -22,6 +22,11 @@ from tallyserve.attention.metadata import AttentionMetadata, OutputRows
 PADDING_SLOT = -1
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # kv_cache_dtype="fp8"
+# (k_scale, v_scale) of one layer's FP8 cache: it stores k / k_scale and v / v_scale; (1.0, 1.0) for other caches
+KVScale = tuple[float, float]
+
+
 def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """Shape of one layer's KV cache tensor (see module docstring)."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
@@ -73,27 +78,29 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale = (1.0, 1.0),
     ) -> torch.Tensor:
         """Write k/v (T, Hkv, D) into ``kv_cache`` at ``meta.slot_mapping``, then return the
         causal attention output (T, Hq, D) of q (T, Hq, D) over each request's cached context,
-        in q's dtype."""
+        in q's dtype. An FP8 cache stores k / k_scale and v / v_scale (``kv_scale``)."""
 
     # True when ``forward_cached`` exists: attention over a cache whose new rows the caller already wrote
     # (models/fused_ops.rotary_write_kv_ writes them in the rotary kernel, one launch per layer fewer).
     supports_external_kv_write: bool = False
 
     def forward_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
+                       scale: float, kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
         """``forward`` without its KV write: the caller has written this step's k/v at
         ``meta.slot_mapping`` already. Only where ``supports_external_kv_write``."""
         raise NotImplementedError(f"the {self.name} backend writes its own KV rows; call forward")
 
     def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, out: OutputRows) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, out: OutputRows,
+                     kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
         """``forward``'s KV write for every row, and the attention output of ``out.rows`` only (S, Hq, D): a
         model's last layer, where only the sampled rows go on. This default attends every row and picks;
         backends that can attend just those rows override it."""
-        return self.forward(q, k, v, kv_cache, meta, scale)[out.rows]
+        return self.forward(q, k, v, kv_cache, meta, scale, kv_scale)[out.rows]
 
     def get_kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -25,30 +25,31 @@ import torch
 import torch.nn.functional as F
 
 from tallyserve.kernels import cpu_kernels
-from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
+from tallyserve.attention.backend import AttentionBackend, KVScale, check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata, OutputRows
-from tallyserve.attention.torch_ref import write_kv_cache
+from tallyserve.attention.torch_ref import from_cache, write_kv_cache
 
 # Upper bound on float32 score elements of one SDPA call's masked path (2**26 * 4 B = 256 MiB).
 _MAX_SCORE_ELEMS = 1 << 26
 
 
-def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+            kv_scale: KVScale = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of positions [0, length) of one request: (Hkv, length, D) float32 views of one copy."""
     bs, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     nb = -(-length // bs)
     ids = block_ids[:nb].to(torch.long)
-    k = kv_cache[0].index_select(0, ids).view(nb * bs, hkv, d)[:length].float()
-    v = kv_cache[1].index_select(0, ids).view(nb * bs, hkv, d)[:length].float()
+    k = from_cache(kv_cache[0].index_select(0, ids).view(nb * bs, hkv, d)[:length], kv_scale[0])
+    v = from_cache(kv_cache[1].index_select(0, ids).view(nb * bs, hkv, d)[:length], kv_scale[1])
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def _attend_request(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of one request's query rows q (Lq, Hq, D) at positions [seq_len - Lq,
     seq_len) over its context. Returns float32 (Lq, Hq, D)."""
     num_q, num_heads, _ = q.shape
-    k, v = _gather(kv_cache, block_row, seq_len)
+    k, v = _gather(kv_cache, block_row, seq_len, kv_scale)
     qs = q.float().transpose(0, 1)  # (Hq, Lq, D)
     if num_q == seq_len:  # nothing cached before this chunk: plain causal attention
         out = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -66,14 +67,14 @@ def _attend_request(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Te
 
 
 def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
-                        scale: float) -> torch.Tensor:
+                        scale: float, kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
     """Single-row requests together: q (B, Hq, D), each over its whole context. Returns float32."""
     batch, num_heads, d = q.shape
     bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
     nb = -(-max(seq_lens) // bs)
     ids = block_tables[:, :nb].reshape(-1).to(torch.long)
-    k = kv_cache[0].index_select(0, ids).view(batch, nb * bs, hkv, d).float()
-    v = kv_cache[1].index_select(0, ids).view(batch, nb * bs, hkv, d).float()
+    k = from_cache(kv_cache[0].index_select(0, ids).view(batch, nb * bs, hkv, d), kv_scale[0])
+    v = from_cache(kv_cache[1].index_select(0, ids).view(batch, nb * bs, hkv, d), kv_scale[1])
     valid = torch.arange(nb * bs)[None, :] < torch.tensor(seq_lens)[:, None]  # (B, L)
     out = F.scaled_dot_product_attention(q.float().view(batch, num_heads, 1, d), k.transpose(1, 2),
                                          v.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale,
@@ -292,8 +293,10 @@ def paged_attention_kernel(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     return out
 
 
-def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """As `torch_ref.paged_attention`: (T, Hq, D) in q's dtype, padding rows zero (the PyTorch path)."""
+def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
+    """As `torch_ref.paged_attention`: (T, Hq, D) in q's dtype, padding rows zero (the PyTorch path; an FP8 cache
+    always takes it)."""
     out = torch.zeros_like(q)
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decode = []
@@ -304,7 +307,8 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         if hi - lo == 1:
             decode.append(i)
         elif hi > lo:
-            out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], seq_lens[i], scale).to(q.dtype)
+            out[lo:hi] = _attend_request(q[lo:hi], kv_cache, meta.block_tables[i], seq_lens[i], scale,
+                                         kv_scale).to(q.dtype)
     if decode:
         widest = q.shape[1] + 2 * kv_cache.shape[3] * kv_cache.shape[4]  # scores and gathered K/V per position
         step = max(1, _MAX_SCORE_ELEMS // max(1, widest * max(seq_lens[i] for i in decode)))
@@ -312,7 +316,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             group = decode[p:p + step]
             rows = torch.tensor([starts[i] for i in group])
             res = _attend_decode_rows(q[rows], kv_cache, meta.block_tables[torch.tensor(group)],
-                                      [seq_lens[i] for i in group], scale)
+                                      [seq_lens[i] for i in group], scale, kv_scale)
             out[rows] = res.to(q.dtype)
     return out
 
@@ -323,27 +327,28 @@ class CpuSdpaBackend(AttentionBackend):
     name = "cpu_sdpa"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
         check_attention_inputs(q, k, v, kv_cache, meta)
-        k, v = _write_kv(q, k, v, kv_cache, meta.slot_mapping)
+        k, v = _write_kv(q, k, v, kv_cache, meta.slot_mapping, kv_scale)
         if _use_kernel(q, kv_cache):
             return paged_attention_kernel(q, k, v, kv_cache, meta, scale)
-        return paged_attention_cpu(q, kv_cache, meta, scale)
+        return paged_attention_cpu(q, kv_cache, meta, scale, kv_scale)
 
     def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, out: OutputRows) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, out: OutputRows,
+                     kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
         """Every row's K/V into the cache, then only ``out.rows`` attend, read from the cache (each a decode-like
         row over its request's keys)."""
         check_attention_inputs(q, k, v, kv_cache, meta)
-        _write_kv(q, k, v, kv_cache, meta.slot_mapping)
+        _write_kv(q, k, v, kv_cache, meta.slot_mapping, kv_scale)
         q = q[out.rows]
         if _use_kernel(q, kv_cache):
             return paged_attention_kernel(q, None, None, kv_cache, out.meta, scale)
-        return paged_attention_cpu(q, kv_cache, out.meta, scale)
+        return paged_attention_cpu(q, kv_cache, out.meta, scale, kv_scale)
 
 
 def _write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              slot_mapping: torch.Tensor, kv_scale: KVScale = (1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """k/v rows to their slots with non-finite values stored as 0 (the cache stays finite, see above); returns k, v
     as cached, which fresh chunks attend."""
     if _use_kernel(q, kv_cache) and k.dtype == v.dtype == torch.float32 and k.stride(2) == v.stride(2) == 1:
@@ -355,5 +360,5 @@ def _write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
         return k, v
     k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
     v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
-    write_kv_cache(k, v, kv_cache, slot_mapping)
+    write_kv_cache(k, v, kv_cache, slot_mapping, kv_scale)
     return k, v

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from tallyserve.attention.backend import AttentionBackend, check_attention_inputs
+from tallyserve.attention.backend import FP8_KV_DTYPE, AttentionBackend, KVScale, check_attention_inputs
 from tallyserve.attention.metadata import AttentionMetadata
 from tallyserve.kernels.kv_cache_write import write_kv_cache
 from tallyserve.kernels import pdl
@@ -87,10 +87,11 @@ def _common_args(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, met
 
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    out: Optional[torch.Tensor] = None, config: KernelConfig = KernelConfig(),
+    out: Optional[torch.Tensor] = None, config: KernelConfig = KernelConfig(), kv_scale: KVScale = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal paged attention of q (T, Hq, D) over the already written cache; (T, Hq, D) in q's
-    dtype. ``out`` (optional) is written in full: request rows by the kernels, padding rows zeroed."""
+    dtype. ``out`` (optional) is written in full: request rows by the kernels, padding rows zeroed.
+    An FP8 cache's K and V are converted to q's dtype as they load, times ``kv_scale``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     if head_dim > MAX_HEAD_DIM:
@@ -113,7 +114,8 @@ def paged_attention(
     prec = "ieee" if fp32 else "tf32"
     tensors, strides = _common_args(q, out, kv_cache, meta)
     block_size = kv_cache.shape[2]
-    qk_scale = scale * LOG2E
+    k_scale, v_scale = (float(kv_scale[0]), float(kv_scale[1])) if kv_cache.dtype == FP8_KV_DTYPE else (1.0, 1.0)
+    qk_scale = scale * LOG2E * k_scale
     if meta.max_query_len > 1:
         g_pad = triton.next_power_of_2(group)
         block_m = config.prefill_block_m or (32 if fp32 else 128 if d_pad <= 128 else 64)
@@ -122,15 +124,15 @@ def paged_attention(
         block_q = block_m // g_pad
         grid = (num_tokens // block_q + num_reqs, num_kv_heads)
         prefill_kernel[grid](
-            q, out, *tensors, num_reqs, num_reqs.bit_length(), qk_scale, *strides,
+            q, out, *tensors, num_reqs, num_reqs.bit_length(), qk_scale, v_scale, *strides,
             GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
             BLOCK_Q=block_q, BLOCK_N=prefill_block_n, SKIP_DECODE=True, PREC=prec,
             num_warps=config.prefill_num_warps or (8 if d_pad > 128 else 4),
             **_stages(config.prefill_num_stages),
         )
     if _has_decode_rows(meta):
-        _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, decode_block_n, block_size, prec,
-                       config)
+        _launch_decode(q, out, tensors, strides, meta, qk_scale, v_scale, group, d_pad, decode_block_n, block_size,
+                       prec, config)
     return out
 
 
@@ -150,7 +152,7 @@ def _has_decode_rows(meta: AttentionMetadata) -> bool:
     return _last_qsl[1]
 
 
-def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block_n, block_size, prec, config):
+def _launch_decode(q, out, tensors, strides, meta, qk_scale, v_scale, group, d_pad, block_n, block_size, prec, config):
     num_reqs, num_kv_heads = meta.num_reqs, tensors[0].shape[2]
     num_q_heads = q.shape[1]
     cascade = meta.common_prefix_len > 0 and meta.max_query_len == 1
@@ -178,7 +180,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
     heads_first = config.decode_heads_first and num_reqs <= 65535  # a grid's second axis holds at most 65,535
     grid = (num_kv_heads, num_reqs, splits) if heads_first else (num_reqs, num_kv_heads, splits)
     decode_kernel[grid](
-        q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale,
+        q, out, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, prefix_len_t, qk_scale, v_scale,
         *strides, num_q_heads, splits, num_slots,
         GROUP=group, BLOCK_M=block_m, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SPLIT=num_slots > 1, CASCADE=cascade, PREC=prec, HEADS_FIRST=heads_first,
@@ -189,7 +191,7 @@ def _launch_decode(q, out, tensors, strides, meta, qk_scale, group, d_pad, block
         # the shared prefix: row 0 of the block table names its blocks (the same in every row)
         cascade_prefix_kernel[(triton.cdiv(num_reqs * group, block_m_prefix), num_kv_heads, prefix_splits)](
             q, part_o, part_lse, *tensors[:3], meta.query_start_loc, meta.seq_lens, meta.prefix_kv_lens, qk_scale,
-            strides[0], strides[1], *strides[5:], num_reqs, num_q_heads, prefix_splits, num_slots, splits,
+            v_scale, strides[0], strides[1], *strides[5:], num_reqs, num_q_heads, prefix_splits, num_slots, splits,
             GROUP=group, HEAD_DIM=q.shape[2], D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m_prefix,
             BLOCK_N=config.cascade_block_n or block_n, PREC=prec, num_warps=config.cascade_num_warps,
             **_stages(config.cascade_num_stages),
@@ -222,11 +224,12 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: KVScale = (1.0, 1.0),
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, kv_cache, meta)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale, config=self.config)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        return paged_attention(q, kv_cache, meta, scale, config=self.config, kv_scale=kv_scale)
 
     def forward_cached(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
-        return paged_attention(q, kv_cache, meta, scale, config=self.config)
+                       scale: float, kv_scale: KVScale = (1.0, 1.0)) -> torch.Tensor:
+        return paged_attention(q, kv_cache, meta, scale, config=self.config, kv_scale=kv_scale)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tallyserve.config.device import KV_CACHE_DTYPES
 from tallyserve.config.kv_transfer import KVTransferConfig
 from tallyserve.config.model import ModelConfig
 from tallyserve.config.parse import json_object_arg  # noqa: F401 - part of this package's interface
@@ -112,6 +113,8 @@ class EngineArgs:
     dtype: str = "auto"
     # "fp8": quantize the projections to FP8 at load (an FP8 checkpoint is FP8 without it); None: as the checkpoint
     quantization: Optional[str] = None
+    # "auto" (the model's dtype) or "fp8" / "fp8_e4m3": K/V stored in FP8, twice the blocks in the same memory
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: Optional[int] = None
@@ -168,6 +171,8 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got "
                              f"{self.quantization!r}")

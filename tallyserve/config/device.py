@@ -52,7 +52,17 @@ def resolve_matmul_dtype(name: str, device: torch.device) -> Optional[torch.dtyp
     return None
 
 
-def resolve_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's, except on the CPU with dtype="bfloat16", whose cache is bfloat16 too
-    (half the bytes that decode attention reads; keys and values are rounded once, when written)."""
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3
+
+
+def resolve_kv_cache_dtype(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """The KV cache's dtype. ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: FP8 e4m3 (keys and values divided by the
+    layer's k_scale / v_scale, 1.0 unless the checkpoint has them, and rounded once, when written; half a bf16
+    cache's bytes, so twice the blocks). ``"auto"``: the model's, except on the CPU with dtype="bfloat16", whose
+    cache is bfloat16 too (half the bytes that decode attention reads; keys and values are rounded once, when
+    written)."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     return torch.bfloat16 if resolve_matmul_dtype(name, device) == torch.bfloat16 else resolve_dtype(name, device)

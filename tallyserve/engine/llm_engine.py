@@ -344,6 +344,7 @@ class LLMEngine:
         out: dict[str, Any] = self.scheduler.snapshot()
         st = self.scheduler.stats
         out.update(
+            kv_cache_dtype=str(self.resolved.kv_cache_dtype).removeprefix("torch."),
             kv_bytes_moved=self.executor.bytes_moved,
             spec_acceptance_rate=st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0,
             spec_mean_tokens_per_step=(st.spec_accepted + st.spec_verify_steps) / st.spec_verify_steps

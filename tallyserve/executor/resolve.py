@@ -56,6 +56,6 @@ def resolve_engine(args: EngineArgs, load_tokenizer: bool = True) -> tuple[Resol
     if tok_eos is not None and tok_eos not in eos:
         eos.append(tok_eos)
     resolved = ResolvedEngine(args, model, device, resolve_dtype(args.dtype, device),
-                              resolve_kv_cache_dtype(args.dtype, device), tuple(eos),
+                              resolve_kv_cache_dtype(args.dtype, device, args.kv_cache_dtype), tuple(eos),
                               args.served_model_name or model.served_name, tokenizer_dir, quantization)
     return resolved, tokenizer

@@ -152,7 +152,7 @@ if triton is not None:
     @triton.jit
     def _rotary_write_kv_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
                                 stride_t, stride_h, stride_c, stride_kv, stride_cb, stride_co, stride_ch, eps,
-                                NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                inv_k_scale, inv_v_scale, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                 HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, QK_NORM: tl.constexpr,
                                 PDL: tl.constexpr):
         # HEADS heads of one token's fused q/k/v row: q and k heads get the rotary embedding in place (after
@@ -198,8 +198,14 @@ if triton is not None:
         # a block & a scalar bool trips Triton 3.9's interpreter)
         write = mask & (head[:, None] >= tl.where(slot >= 0, NUM_Q_HEADS, num_heads))
         ct = cache_ptr.dtype.element_ty
-        tl.store(dst[:, None] + offs[None, :], x1.to(ct), mask=write)
-        tl.store(dst[:, None] + HALF + offs[None, :], x2.to(ct), mask=write)
+        if ct == tl.float8e4nv:  # kv_cache_dtype="fp8": k / k_scale, v / v_scale (of the model-dtype values), saturated
+            inv = tl.where(is_v, inv_v_scale, inv_k_scale)[:, None]
+            tl.store(dst[:, None] + offs[None, :], tl.clamp(x1.to(tl.float32) * inv, -448.0, 448.0).to(ct), mask=write)
+            tl.store(dst[:, None] + HALF + offs[None, :], tl.clamp(x2.to(tl.float32) * inv, -448.0, 448.0).to(ct),
+                     mask=write)
+        else:
+            tl.store(dst[:, None] + offs[None, :], x1.to(ct), mask=write)
+            tl.store(dst[:, None] + HALF + offs[None, :], x2.to(ct), mask=write)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
@@ -271,13 +277,14 @@ def qk_norm_rotary_(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
 
 def rotary_write_kv_(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: Optional[torch.Tensor] = None,
-                     k_weight: Optional[torch.Tensor] = None, eps: float = 0.0) -> None:
+                     k_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+                     kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
     """The rotary embedding of q and k in place (after the per-head q/k RMSNorm when ``q_weight`` and
     ``k_weight`` are given) and the write of k and v into ``kv_cache`` at ``slot_mapping`` (slots < 0:
     padding, not written), in one kernel: what ``rotary_`` / ``qk_norm_rotary_`` and the attention
     backend's KV write do, with the same roundings. ``qkv`` (T, Hq + 2 * Hkv, D): the fused projection's
-    output with a contiguous last dim; ``kv_cache`` (2, num_blocks, block_size, Hkv, D). CUDA (and the
-    interpreter) only."""
+    output with a contiguous last dim; ``kv_cache`` (2, num_blocks, block_size, Hkv, D); an FP8 cache stores
+    k / k_scale and v / v_scale (``kv_scale``). CUDA (and the interpreter) only."""
     tokens, heads, dim = qkv.shape
     if qkv.stride(2) != 1 or cos.stride(1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("rotary_write_kv_ needs contiguous last dimensions")
@@ -295,7 +302,8 @@ def rotary_write_kv_(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, cos
     _rotary_write_kv_kernel[(tokens, triton.cdiv(heads, per_prog))](
         qkv, q_weight if qk_norm else cos, k_weight if qk_norm else cos, cos, sin, kv_cache, slot_mapping,
         qkv.stride(0), qkv.stride(1), cos.stride(0), kv_cache.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kv_cache.shape[2],
+        k_cache.stride(2), eps, 1.0 / kv_scale[0], 1.0 / kv_scale[1], NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=kv_cache.shape[2],
         HALF=half, BLOCK=triton.next_power_of_2(half), HEADS=per_prog, QK_NORM=qk_norm,
         num_warps=4 if per_prog * half >= 1024 else 2, **pdl.launch_options(qkv.device))
 

@@ -22,7 +22,7 @@ _MAX_ROW_BLOCK = 2048
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
@@ -40,6 +40,9 @@ def _write_kv_kernel(
     dst = block * stride_cb + (slot % BLOCK_SIZE) * stride_co + head * stride_ch + dim
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dim, mask=mask)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # kv_cache_dtype="fp8": k / k_scale, v / v_scale, saturated
+        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -48,8 +51,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter k/v (T, Hkv, D) into ``kv_cache`` at ``slot_mapping`` (T,); slots < 0 are skipped."""
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Scatter k/v (T, Hkv, D) into ``kv_cache`` at ``slot_mapping`` (T,); slots < 0 are skipped. An FP8 cache
+    stores k / k_scale and v / v_scale (``kv_scale``), rounded to e4m3 and saturated."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -61,7 +66,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     block = min(triton.next_power_of_2(row), _MAX_ROW_BLOCK)
     grid = (num_tokens, triton.cdiv(row, block))
     _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, 1.0 / kv_scale[0], 1.0 / kv_scale[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, ROW=row, BLOCK=block,

@@ -38,7 +38,7 @@ MAX_HEAD_DIM = 256
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, n0, kv_end, q_pos, kv_head,
-    offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+    offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
     """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) through the block table: online-softmax update
@@ -67,6 +67,9 @@ def _attend_tile(
     else:
         k_t = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # kv_cache_dtype="fp8": k_scale is in qk_scale
+        k_t = k_t.to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     s = tl.dot(q, k_t, input_precision=PREC) * qk_scale
     if MASKED:
         valid = mask_n[None, :]
@@ -84,7 +87,7 @@ def _attend_tile(
 @triton.jit
 def _attend_split(
     q, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_start, kv_end, split, num_splits, offs_m, kv_head,
-    offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+    offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
     BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -99,7 +102,7 @@ def _attend_split(
     for n0 in range(n_start, n_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, n0, n_end, offs_m, kv_head,
-            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+            offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
             BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=False, EVEN_D=EVEN_D, PREC=PREC)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
 
@@ -109,7 +112,7 @@ def _attend_split(
 # block-table width reuse one compiled kernel per tile shape.
 @triton.jit(do_not_specialize=["num_reqs", "search_steps", "stride_bt"])
 def prefill_kernel(
-    q_ptr, o_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, search_steps, qk_scale,
+    q_ptr, o_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, search_steps, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -155,12 +158,12 @@ def prefill_kernel(
         for n0 in range(0, free_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, kv_end, q_pos, kv_head,
-                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+                offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
                 BLOCK_SIZE=BLOCK_SIZE, MASKED=False, CAUSAL=False, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
         for n0 in range(free_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row, n0, kv_end, q_pos, kv_head,
-                offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+                offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
                 BLOCK_SIZE=BLOCK_SIZE, MASKED=True, CAUSAL=True, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -170,8 +173,8 @@ def prefill_kernel(
 @triton.jit(do_not_specialize=["num_splits", "num_slots", "stride_bt"])
 def decode_kernel(
     q_ptr, o_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
-    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch, num_q_heads,
-    num_splits, num_slots,
+    qk_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
+    num_q_heads, num_splits, num_slots,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CASCADE: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
@@ -209,7 +212,7 @@ def decode_kernel(
         bt_row = bt_ptr + req.to(tl.int64) * stride_bt
         out, m_i, l_i = _attend_split(
             q, k_cache_ptr, v_cache_ptr, bt_row, kv_start, seq_len, split, num_splits, offs_m, kv_head,
-            offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+            offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
             BLOCK_M=BLOCK_M, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
         if not SPLIT:
             tl.store(o_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -225,8 +228,8 @@ def decode_kernel(
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "num_slots", "slot0"])
 def cascade_prefix_kernel(
     q_ptr, part_o_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, prefix_len_ptr,
-    qk_scale, stride_qt, stride_qh, stride_cb, stride_co, stride_ch, num_reqs, num_q_heads, num_splits, num_slots,
-    slot0,
+    qk_scale, v_scale, stride_qt, stride_qh, stride_cb, stride_co, stride_ch, num_reqs, num_q_heads, num_splits,
+    num_slots, slot0,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -255,7 +258,7 @@ def cascade_prefix_kernel(
                 mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     out, m_i, l_i = _attend_split(
         q, k_cache_ptr, v_cache_ptr, bt_ptr, prefix_len * 0, prefix_len, split, num_splits, offs_m, kv_head,
-        offs_n, offs_d, mask_d, qk_scale, stride_cb, stride_co, stride_ch,
+        offs_n, offs_d, mask_d, qk_scale, v_scale, stride_cb, stride_co, stride_ch,
         BLOCK_M=BLOCK_M, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, EVEN_D=HEAD_DIM == D_PAD, PREC=PREC)
     lse = tl.where(row_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     part = (req.to(tl.int64) * num_q_heads + head) * num_slots + slot0 + split

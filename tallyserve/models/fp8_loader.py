@@ -126,6 +126,22 @@ def load_tensor(layer: nn.Module, module_name: str, leaf: str, f, file: str, qua
         return [f"{module_name}.weight_scale"]
 
 
+def load_kv_scale(model: nn.Module, module_name: str, leaf: str, value: torch.Tensor, file: str) -> None:
+    """An FP8 KV cache's scale (``k_scale``, ``v_scale``, or ``kv_scale`` for both) into its attention module's
+    ``kv_scale``; the checkpoint's other attention scales (``q_scale``, ``prob_scale``) are not used."""
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        module = None
+    if leaf not in ("k_scale", "v_scale", "kv_scale") or not hasattr(module, "kv_scale"):
+        return
+    if value.numel() != 1 or not torch.isfinite(value).all() or float(value.reshape(-1)[0]) <= 0:
+        raise ValueError(f"{module_name}.{leaf}: a KV cache scale is one positive number, got {value!r} ({file})")
+    x = float(value.reshape(-1)[0])
+    k, v = module.kv_scale
+    module.kv_scale = (x if leaf != "v_scale" else k, x if leaf != "k_scale" else v)
+
+
 def init_dummy(layer: nn.Module, full: torch.Tensor, spec: Optional[ShardSpec]) -> None:
     """Random weights of an FP8 projection (``load_format="dummy"``): ``full`` drawn at the checkpoint shape like an
     unquantized weight, quantized per row (or per block), then this rank's slice; a static input scale of 1."""

@@ -130,6 +130,8 @@ class LlamaAttention(nn.Module):
         self.qkv_weight: torch.Tensor | Fp8Weight | None = None  # set by fuse(): [q; k; v] in one matrix
         self.qkv_bias: torch.Tensor | None = None
         self.act_dtype: torch.dtype | None = None  # set by set_matmul_dtype: q/k/v come back in the model's dtype
+        # an FP8 KV cache's (k_scale, v_scale): 1.0 unless the checkpoint has them (models/fp8_loader.py)
+        self.kv_scale: tuple[float, float] = (1.0, 1.0)
 
     @torch.no_grad()
     def fuse(self, dtype: Optional[torch.dtype] = None) -> None:
@@ -161,9 +163,9 @@ class LlamaAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if out_rows is not None:
-            out = self.attn_backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows)
+            out = self.attn_backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows, self.kv_scale)
             return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
     def _forward_fused(self, x, rope, kv_cache, meta, out_rows: Optional[OutputRows] = None) -> torch.Tensor:
@@ -179,17 +181,17 @@ class LlamaAttention(nn.Module):
             check_attention_inputs(q, k, v, kv_cache, meta)
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             fused_ops.rotary_write_kv_(qkv.view(t, hq + 2 * hkv, d), hq, hkv, cos, sin, kv_cache, meta.slot_mapping,
-                                       *norm)
-            out = (backend.forward_cached(q, kv_cache, meta, self.scale) if out_rows is None else
-                   backend.forward_cached(q[out_rows.rows], kv_cache, out_rows.meta, self.scale))
+                                       *norm, kv_scale=self.kv_scale)
+            out = (backend.forward_cached(q, kv_cache, meta, self.scale, self.kv_scale) if out_rows is None else
+                   backend.forward_cached(q[out_rows.rows], kv_cache, out_rows.meta, self.scale, self.kv_scale))
         else:
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)  # q and k side by side: one in-place kernel
             if self.qk_norm:
                 fused_ops.qk_norm_rotary_(qk, self.q_norm.weight, self.k_norm.weight, hq, self.q_norm.eps, cos, sin)
             else:
                 fused_ops.rotary_(qk, cos, sin)
-            out = (backend.forward(q, k, v, kv_cache, meta, self.scale) if out_rows is None else
-                   backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows))
+            out = (backend.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scale) if out_rows is None else
+                   backend.forward_rows(q, k, v, kv_cache, meta, self.scale, out_rows, self.kv_scale))
         t = out.shape[0]
         o = self.o_proj
         if self.act_dtype is not None and o.tp_size == 1 and o.bias is None:

@@ -268,8 +268,9 @@ def _load_safetensors(model: nn.Module, files: tuple[str, ...], quant: Optional[
                     if module_name in fp8:
                         loaded.update(fp8_loader.load_tensor(fp8[module_name], module_name, leaf, f, file, quant))
                         continue
-                    if leaf in fp8_loader.KV_SCALE_LEAVES:
-                        continue  # an FP8 KV cache's scales: read by the KV cache, not the weights
+                    if leaf in fp8_loader.KV_SCALE_LEAVES:  # an FP8 KV cache's scales (used when the cache is FP8)
+                        fp8_loader.load_kv_scale(model, module_name, leaf, f.get_tensor(name), file)
+                        continue
                     param = params.get(name)
                     if param is None:
                         if not ((name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq")):

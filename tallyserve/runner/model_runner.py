@@ -55,6 +55,11 @@ def bf16_matmul_native() -> bool:
         return False
 
 
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """A KV cache for block copies: an FP8 one as its bytes (indexing kernels have no FP8 variants)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
                        tensor_parallel_size: int = 1) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
@@ -220,6 +225,7 @@ class ModelRunner:
         """Partial reuse: copy the leading slots of cached blocks into the requests' new blocks."""
         for c in copies:
             for cache in self.kv_caches:
+                cache = _raw(cache)
                 cache[:, c.dst, : c.num_tokens] = cache[:, c.src, : c.num_tokens]
 
     @torch.inference_mode()
@@ -229,12 +235,12 @@ class ModelRunner:
             src = torch.tensor([c.src for c in moves.offloads], device=self.device)
             dst = torch.tensor([c.dst for c in moves.offloads])
             for dev, host in zip(self.kv_caches, self.host_kv_caches):
-                host[:, dst] = dev[:, src].to("cpu")
+                _raw(host)[:, dst] = _raw(dev)[:, src].to("cpu")
         if moves.restores:
             src = torch.tensor([c.src for c in moves.restores])
             dst = torch.tensor([c.dst for c in moves.restores], device=self.device)
             for dev, host in zip(self.kv_caches, self.host_kv_caches):
-                dev[:, dst] = host[:, src].to(self.device, non_blocking=True)
+                _raw(dev)[:, dst] = _raw(host)[:, src].to(self.device, non_blocking=True)
         self.bytes_moved += (len(moves.offloads) + len(moves.restores)) * self.bytes_per_block
         self.copy_blocks(moves.copies)
 

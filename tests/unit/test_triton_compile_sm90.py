@@ -30,7 +30,7 @@ PTRS = {"cos_ptr": "fp32", "sin_ptr": "fp32", "qw_ptr": "bf16", "kw_ptr": "bf16"
         "v_cache_ptr": "bf16", "bt_ptr": "i32",
         "qsl_ptr": "i32", "seq_lens_ptr": "i32", "prefix_len_ptr": "i32", "part_o_ptr": "fp32",
         "part_lse_ptr": "fp32", "x_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "res_ptr": "bf16", "s_ptr": "fp32"}
-FLOATS = ("qk_scale", "eps")
+FLOATS = ("qk_scale", "eps", "v_scale", "inv_k_scale", "inv_v_scale")
 
 
 def _compile(fn, constexprs: dict, num_warps: int = 4, ptrs: dict | None = None) -> str:
@@ -216,3 +216,33 @@ def test_gemv_kernel_with_an_fp8_weight_compiles(scale):
                                       SCALE_BN=128, SCALE_BK=128), ptrs={"w_ptr": "fp8e4nv"})
     assert re.search(r"cvt\.rn\.(f16x2|bf16x2)\.e4m3x2", ptx)
     assert "s_ptr" in _pointers_read(_gemv_kernel, ptx)
+
+
+FP8_CACHE = {"k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv", "cache_ptr": "fp8e4nv"}
+
+
+def test_attention_kernels_read_an_fp8_cache():
+    """kv_cache_dtype="fp8": decode, prefill and cascade load e4m3 K/V, convert them to bf16 pairs in registers and
+    still multiply bf16 on the tensor cores."""
+    from tallyserve.kernels.paged_attention import cascade_prefix_kernel, decode_kernel, prefill_kernel
+
+    for fn, consts in ((decode_kernel, dict(GROUP=4, BLOCK_M=16, BLOCK_N=64, SPLIT=True, CASCADE=False, **HEADS)),
+                       (prefill_kernel, dict(GROUP=4, G_PAD=4, BLOCK_Q=32, BLOCK_N=32, SKIP_DECODE=True, **HEADS)),
+                       (cascade_prefix_kernel, dict(GROUP=4, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64,
+                                                    BLOCK_N=64, PREC="tf32"))):
+        ptx = _compile(fn, consts, ptrs=FP8_CACHE)
+        assert re.search(r"cvt\.rn\.(bf16x2|f16x2)\.e4m3x2", ptx), fn.fn.__name__
+        assert MMA.search(ptx) or WGMMA.search(ptx), fn.fn.__name__
+
+
+def test_kv_writers_store_saturated_fp8():
+    """The KV write and the fused rotary + KV write round to e4m3 with saturation into an FP8 cache."""
+    from tallyserve.kernels.fused_ops import _rotary_write_kv_kernel
+    from tallyserve.kernels.kv_cache_write import _write_kv_kernel
+
+    ptx = _compile(_write_kv_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, BLOCK=1024, PDL=False),
+                   ptrs={**FP8_CACHE, "k_ptr": "bf16", "v_ptr": "bf16"})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    ptx = _compile(_rotary_write_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, BLOCK=64,
+                                                 HEADS=16, QK_NORM=False, PDL=False), ptrs=FP8_CACHE)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx

@@ -110,6 +110,7 @@ class NixlConnectorWorker(KVConnectorBase):
         if any(not t.is_contiguous() for t in kv_caches):
             raise ValueError("the NixlConnector needs contiguous KV cache tensors")
         self._caches = list(kv_caches)  # keep the registered memory alive
+        self._kv_dtype = str(first.dtype).removeprefix("torch.")  # kv_cache_dtype="fp8": half the bytes per block
         self.agent.register_memory(self._caches)
         num_blocks = first.shape[1]
         block_bytes = first[0, 0].numel() * first.element_size()
@@ -124,7 +125,7 @@ class NixlConnectorWorker(KVConnectorBase):
         return {"engine_id": self.engine_id, "tp_rank": self.tp_rank, "agent_name": self.agent_name,
                 "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                 "base_addrs": lay.base_addrs, "num_blocks": lay.num_blocks, "block_bytes": lay.block_bytes,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "kv_cache_dtype": self._kv_dtype}
 
     def _descs(self, lay: _Remote, runs: Sequence[tuple[int, int]]):
         """One descriptor per (layer, K/V half, run of consecutive blocks): ``runs`` are (first block, count)."""
@@ -150,6 +151,9 @@ class NixlConnectorWorker(KVConnectorBase):
 
     def _add(self, meta: dict) -> _Remote:
         engine_id = meta.get("engine_id")
+        if meta.get("kv_cache_dtype", self._kv_dtype) != self._kv_dtype:
+            raise LookupError(f"engine {engine_id!r} caches K/V in {meta.get('kv_cache_dtype')}, this one in "
+                              f"{self._kv_dtype}: prefill and decode instances need the same kv_cache_dtype")
         if meta.get("block_size") != self.block_size or meta.get("block_bytes") != self._layout.block_bytes \
                 or len(meta.get("base_addrs", ())) != len(self._layout.base_addrs):
             raise LookupError(f"engine {engine_id!r} has another KV layout (block size, heads or layers)")
