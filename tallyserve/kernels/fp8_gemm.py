@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from tallyserve import envs
 from tallyserve.kernels import gemv, pdl
 
 try:
@@ -173,9 +172,6 @@ def triton_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
 
 
 def channel_backend(n: int, k: int) -> str:
-    forced = envs.TALLYSERVE_FP8_GEMM
-    if forced != "auto":
-        return forced
     return CHANNEL_BACKEND.get((n, k), "scaled_mm")
 
 
