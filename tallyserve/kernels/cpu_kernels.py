@@ -56,20 +56,12 @@ _state: dict = {}  # "ok": load()'s answer; "library": the built library's path;
 
 PROBE_ENV = "TALLYSERVE_CPU_ERROR_PROBE"
 _PROBE_MESSAGE = "the error the load-time probe expects"
-# The probe: in a fresh interpreter, import the native libraries this process holds (and those an engine loads
-# later), load the library, and catch probe_error's RuntimeError, thrown on the calling thread (0) and in a parallel
-# task (1), with the task pool off and on; exit 0 only if all four were caught. The imports matter: whether a C++
-# exception unwinds safely can depend on which other shared libraries the process has loaded (on the GPU host of
-# issue 37 a bare interpreter caught the error and a test process that had imported the engine's stack crashed).
+# The probe: load the library in a fresh interpreter and catch probe_error's RuntimeError, thrown on the calling
+# thread (0) and in a parallel task (1), with the task pool off and on; exit 0 only if all four were caught.
+# probe_error is a CPU-key kernel taking a tensor, as every kernel is: on the GPU host of issue 37 an error from an
+# operator without a dispatch key reached Python while one from a CPU-key kernel ended the process.
 _PROBE_SCRIPT = f"""
-import importlib
 import sys
-
-for name in sys.argv[2:]:
-    try:
-        importlib.import_module(name)
-    except BaseException:
-        pass
 import torch
 
 torch.ops.load_library(sys.argv[1])
@@ -79,7 +71,7 @@ for threads in (0, 2):
     ops.set_task_pool_threads(threads)
     for where in (0, 1):
         try:
-            ops.probe_error(where)
+            ops.probe_error(torch.zeros(1), where)
         except RuntimeError as exc:
             caught += {_PROBE_MESSAGE!r} in str(exc)
 ops.set_task_pool_threads(0)
@@ -154,20 +146,6 @@ def _library_path(returned) -> Optional[str]:
     return None
 
 
-# the native libraries an engine process loads, whether or not this process has yet
-_ENGINE_NATIVE = ("numpy", "safetensors", "tokenizers", "triton", "transformers", "xgrammar")
-
-
-def _native_modules() -> list[str]:
-    """Top-level packages of the compiled extension modules loaded in this process, and the engine's."""
-    loaded = set(_ENGINE_NATIVE)
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None) or ""
-        if file.endswith((".so", ".pyd")) and not name.startswith("_"):
-            loaded.add(name.split(".")[0])
-    return sorted(loaded - {"torch", "tallyserve"})
-
-
 def _probe(library: Optional[str], force_fail: bool = False) -> tuple[bool, str]:
     """(errors cross, why not): the verdict cached next to the library for this build, else the probe subprocess'
     (then cached, when it gave one: exited, or died by a signal)."""
@@ -176,7 +154,7 @@ def _probe(library: Optional[str], force_fail: bool = False) -> tuple[bool, str]
     if not library:
         return False, "the built library was not found, so the probe could not run"
     try:
-        key = f"{hashlib.sha1(Path(library).read_bytes()).hexdigest()} torch-{torch.__version__} probe-2"
+        key = f"{hashlib.sha1(Path(library).read_bytes()).hexdigest()} torch-{torch.__version__}"
     except OSError as exc:
         return False, f"the built library could not be read for the probe: {exc}"
     verdict_file = Path(library + ".errors-probe")
@@ -189,7 +167,7 @@ def _probe(library: Optional[str], force_fail: bool = False) -> tuple[bool, str]
     if not sys.executable:
         return False, "no Python executable to run the probe with"
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, library, *_native_modules()], stdin=subprocess.DEVNULL,
+        done = subprocess.run([sys.executable, "-c", _PROBE_SCRIPT, library], stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=_PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return False, f"the probe subprocess did not finish in {_PROBE_TIMEOUT_S} s"

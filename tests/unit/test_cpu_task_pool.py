@@ -161,7 +161,7 @@ def test_a_kernel_error_leaves_the_pool_usable(pool):
     with pytest.raises(RuntimeError, match="block id out of range"):
         pool.paged_attention(q, cache, bad_tables, qsl, seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="probe expects \\(from a task\\)"):  # thrown in a task on the pool
-        pool.probe_error(1)
+        pool.probe_error(torch.zeros(1), 1)
     assert torch.equal(pool.paged_attention(q, cache, tables, qsl, seq_lens, 0.125), ref)
 
 

@@ -168,8 +168,10 @@ int64_t get_task_pool_threads() { return pool().threads(); }
 // calling thread; where 1, in a task of tallyserve's parallel_for (on the pool while it is on, else on ATen's
 // threads) and rethrown to the caller. The probe passes when Python catches both as RuntimeError; on a host where
 // an exception from the extension does not reach Python (issue 36: a segmentation fault instead), the kernels
-// stay off. Any other `where` returns 0.
-int64_t probe_error(int64_t where) {
+// stay off. Any other `where` returns x. It takes a tensor and is registered for the CPU dispatch key like every
+// kernel: on the GPU host of issue 37 an error from an operator registered without a dispatch key (int in, int
+// out) reached Python while one from the CPU-key paged_attention ended the process.
+at::Tensor probe_error(const at::Tensor& x, int64_t where) {
   const char* what = "tallyserve_cpu::probe_error: the error the load-time probe expects";
   TORCH_CHECK(where != 0, what);
   if (where == 1) {
@@ -177,7 +179,7 @@ int64_t probe_error(int64_t where) {
       for (int64_t i = b; i < e; ++i) TORCH_CHECK(i != 37, what, " (from a task)");
     });
   }
-  return 0;
+  return x;
 }
 
 }  // namespace
@@ -206,5 +208,7 @@ TORCH_LIBRARY_FRAGMENT(tallyserve_cpu, m) {
   m.def("set_task_pool_threads(int n) -> ()", &set_task_pool_threads);
   m.def("task_pool_threads() -> int", &get_task_pool_threads);
   m.def("task_pool_max_threads() -> int", [] { return kMaxThreads; });
-  m.def("probe_error(int where) -> int", &probe_error);
+  m.def("probe_error(Tensor x, int where) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(tallyserve_cpu, CPU, m) { m.impl("probe_error", &probe_error); }
