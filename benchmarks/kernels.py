@@ -4,6 +4,7 @@ kernel's AMX and chunk paths.
 
     python benchmarks/kernels.py gpu-profile --batch 1 --batch 246     # where a decode step's GPU time goes
     python benchmarks/kernels.py gemv --model llama-3-8b               # one-row projections: cuBLAS vs Triton (+ PDL)
+    python benchmarks/kernels.py fp8-gemm --model llama-3-8b           # FP8 products: torch._scaled_mm vs Triton
     python benchmarks/kernels.py decode-attention --batch 256 --batch 64   # decode attention KernelConfig variants
     python benchmarks/kernels.py cpu-amx-attention --threads 2 --w     # CPU prompt attention: AMX vs float32 vectors
     python benchmarks/kernels.py cpu-chunk-attention --dtype bfloat16  # CPU prompts: the kernel's chunk path vs SDPA
@@ -597,7 +598,76 @@ def cmd_cpu_chunk_attention(argv: list[str], prog: str) -> int:
                       f, indent=1)
 
 
+FP8_DOC = """FP8 projections on the GPU (compute capability 8.9+), per shape of a model preset and per batch of rows:
+torch._scaled_mm (cuBLASLt, row-wise scales) against tallyserve's Triton kernel for per-channel weights, the Triton
+block-scaled kernel (128 x 128 blocks) and the bf16 product for reference, each with its activation quantization,
+timed as CUDA-graph replays over distinct weight copies.
+
+    python benchmarks/kernels.py fp8-gemm [--model llama-3-8b] [--rows 16 --rows 256 --rows 2048]
+
+It prints, per (N, K) and rows, the milliseconds of each and the faster per-channel backend: the table that
+``kernels/fp8_gemm.CHANNEL_BACKEND`` records. With $OUT set, the numbers go to $OUT/fp8_gemm.json."""
+
+
+def cmd_fp8_gemm(argv: list[str], prog: str) -> int:
+    ap = _common.parser(prog, FP8_DOC)
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--rows", type=int, action="append", default=[])
+    ap.add_argument("--copies", type=int, default=8, help="distinct weight copies per shape (out of L2)")
+    args = ap.parse_args(argv)
+    from tallyserve.kernels import fp8_gemm
+    from tallyserve.quantization.fp8 import quantize_weight
+
+    if not torch.cuda.is_available() or not fp8_gemm.supported(torch.device("cuda")):
+        print("no CUDA device with FP8 tensor cores: nothing to measure")
+        return 0
+    cfg = json.loads((REPO / "tallyserve/model_configs" / f"{args.model}.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]
+    rows_list = args.rows or [16, 256, 2048]
+    results = []
+    for n, k in shapes:
+        ws = [torch.randn(n, k, device="cuda") / k ** 0.5 for _ in range(args.copies)]
+        chan = [quantize_weight(w) for w in ws]
+        block = [quantize_weight(w, (128, 128)) for w in ws]
+        bf = [w.bfloat16() for w in ws]
+        del ws
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def run(fn):
+                return _gemv_graph_ms(lambda: [fn(i) for i in range(args.copies)]) / args.copies
+
+            def scaled(i):
+                q, s = fp8_gemm.quantize_rows(x)
+                return fp8_gemm._scaled_mm(q, s, chan[i][0], chan[i][1], None, torch.bfloat16)
+
+            def triton_chan(i):
+                q, s = fp8_gemm.quantize_rows(x)
+                return fp8_gemm.triton_gemm(q, s, chan[i][0], chan[i][1].reshape(-1, 1), None, None, torch.bfloat16, 128)
+
+            def triton_block(i):
+                q, s = fp8_gemm.quantize_rows(x, group=128)
+                return fp8_gemm.triton_gemm(q, s, block[i][0], block[i][1], (128, 128), None, torch.bfloat16, 128)
+
+            row = {"n": n, "k": k, "rows": m, "bf16_ms": run(lambda i: x @ bf[i].t()),
+                   "scaled_mm_ms": run(scaled), "triton_channel_ms": run(triton_chan),
+                   "triton_block_ms": run(triton_block)}
+            row["channel_choice"] = "scaled_mm" if row["scaled_mm_ms"] <= row["triton_channel_ms"] else "triton"
+            results.append(row)
+            print(f"{n:>6} x {k:<6} rows {m:>5}: bf16 {row['bf16_ms']:.4f}  scaled_mm {row['scaled_mm_ms']:.4f}  "
+                  f"triton {row['triton_channel_ms']:.4f}  block {row['triton_block_ms']:.4f} ms -> "
+                  f"{row['channel_choice']}", flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_gemm.json").write_text(json.dumps(
+            {"model": args.model, "device": torch.cuda.get_device_name(), "rows": results}, indent=2))
+    return 0
+
+
 COMMANDS: dict[str, _common.Command] = {
+    "fp8-gemm": ("FP8 projections: torch._scaled_mm against the Triton kernels, per shape and rows", cmd_fp8_gemm),
     "gpu-profile": ("torch.profiler over steady GPU decode steps: kernels by time, the step's critical path",
                     cmd_gpu_profile),
     "gemv": ("one-row projections on the GPU: cuBLAS against the Triton GEMV, with and without dependent launch",
