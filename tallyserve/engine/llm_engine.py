@@ -345,6 +345,7 @@ class LLMEngine:
         st = self.scheduler.stats
         out.update(
             kv_cache_dtype=str(self.resolved.kv_cache_dtype).removeprefix("torch."),
+            quantization=self.resolved.quantization.source if self.resolved.quantization else None,
             kv_bytes_moved=self.executor.bytes_moved,
             spec_acceptance_rate=st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0,
             spec_mean_tokens_per_step=(st.spec_accepted + st.spec_verify_steps) / st.spec_verify_steps

@@ -87,6 +87,12 @@ class EngineStatsCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
+        info = GaugeMetricFamily("tallyserve_cache_config_info", "The KV cache and weight formats, in the labels "
+                                 "(value 1): the cache's dtype, its blocks, and the projections' quantization.",
+                                 labels=["cache_dtype", "num_gpu_blocks", "num_host_blocks", "quantization"])
+        info.add_metric([str(s.get("kv_cache_dtype", "")), str(total), str(s.get("num_host_blocks", 0)),
+                         str(s.get("quantization") or "none")], 1.0)
+        yield info
         health = self.engine.health()
         yield GaugeMetricFamily("tallyserve_engine_alive", "1 while the engine loop thread runs.", value=float(health.alive))
         yield GaugeMetricFamily("tallyserve_engine_healthy", "1 while /health answers 200.", value=float(health.healthy))

@@ -34,3 +34,18 @@ def test_host_tier_and_spec_decode_counters(tmp_path):
     assert values["tallyserve_spec_decode_accepted_tokens_total"] == stats["spec_accepted"]
     assert values["tallyserve_host_kv_blocks_total"] == stats["num_host_blocks"] > 0
     assert values["tallyserve_scheduled_tokens_total"] == values["tallyserve_forward_tokens_total"]
+
+
+def test_cache_config_info_names_the_kv_dtype_blocks_and_quantization(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    llm = LLM(model=path, quantization="fp8", kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20)
+    stats = llm.stats()
+    assert stats["kv_cache_dtype"] == "float8_e4m3fn" and stats["quantization"] == "fp8"
+    fake = SimpleNamespace(stats=lambda: stats, health=lambda: SimpleNamespace(alive=True, healthy=True))
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(fake))
+    info = [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples
+            if s.name == "tallyserve_cache_config_info"]
+    assert len(info) == 1 and info[0].value == 1.0
+    assert info[0].labels == {"cache_dtype": "float8_e4m3fn", "num_gpu_blocks": str(stats["num_total_blocks"]),
+                              "num_host_blocks": "0", "quantization": "fp8"}
