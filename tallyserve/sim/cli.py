@@ -11,6 +11,7 @@ from tallyserve.config import EngineArgs, EngineConfig
 from tallyserve.config.model import ModelConfig
 from tallyserve.config.args import add_engine_args as _add_engine_args
 from tallyserve.sim.simulator import SimOptions, Simulator
+from tallyserve.config.quantization import resolve_quantization
 from tallyserve.sim.cost_model import load_cost_model
 from tallyserve.config.args import engine_args_from
 from tallyserve.bench.report import build_result, plot, print_report, write_json
@@ -49,29 +50,41 @@ def load_model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf_config(cfg)
 
 
+def fp8_flags(args: EngineArgs, mc: ModelConfig) -> tuple[bool, bool]:
+    """(FP8 projections, FP8 KV cache) as the engine would run them: quantization="fp8" or an FP8 checkpoint's
+    quantization_config; kv_cache_dtype="fp8"."""
+    return (resolve_quantization(mc.hf_config, args.quantization) is not None,
+            args.kv_cache_dtype in ("fp8", "fp8_e4m3"))
+
+
+def sim_shape(args: EngineArgs, mc: ModelConfig) -> ModelShape:
+    """One rank's shape as the engine would run it (``fp8_flags``)."""
+    return ModelShape.of(mc, args.tensor_parallel_size, *fp8_flags(args, mc))
+
+
 def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
-    """The override, else per rank: (device memory x gpu_memory_utilization - the rank's bf16
-    weights, about weights / tensor_parallel_size) / the rank's bf16 block (`kv_bytes_per_token`
-    at tensor_parallel_size, as the runner sizes its pool). kv_cache_memory_bytes is per rank too."""
+    """The override, else per rank: (device memory x gpu_memory_utilization - the rank's weights, about
+    weights / tensor_parallel_size) / the rank's block (`kv_bytes_per_token` at tensor_parallel_size, as the
+    runner sizes its pool; bf16, or FP8). kv_cache_memory_bytes is per rank too."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     tp = args.tensor_parallel_size
-    shape = ModelShape.of(mc, tp)
+    shape = sim_shape(args, mc)
     per_block = shape.kv_bytes_per_token * args.block_size
     budget = args.kv_cache_memory_bytes or int(mem_bytes * args.gpu_memory_utilization) - shape.weight_bytes
     if budget < per_block:
         where = f"per GPU at tensor_parallel_size {tp}" if tp > 1 else "on one GPU"
-        raise ValueError(f"the bf16 weights ({shape.weight_bytes / 1e9:.1f} GB {where}) leave no room for a KV "
+        raise ValueError(f"the weights ({shape.weight_bytes / 1e9:.1f} GB {where}) leave no room for a KV "
                          f"block in {mem_bytes * args.gpu_memory_utilization / 1e9:.1f} GB (memory x "
                          f"gpu_memory_utilization); raise --tensor-parallel-size or gpu_memory_utilization")
     return int(budget // per_block)
 
 
 def num_sim_host_blocks(args: EngineArgs, mc: ModelConfig) -> int:
-    """Blocks of the host KV tier: kv_offload_bytes over one bf16 block of one rank (0: no tier)."""
+    """Blocks of the host KV tier: kv_offload_bytes over one block of one rank (0: no tier)."""
     if not args.kv_offload_bytes or not args.enable_prefix_caching:
         return 0
-    per_block = ModelShape.of(mc, args.tensor_parallel_size).kv_bytes_per_token * args.block_size
+    per_block = sim_shape(args, mc).kv_bytes_per_token * args.block_size
     return max(args.kv_offload_bytes // per_block, 1)
 
 
@@ -106,7 +119,9 @@ def _cmd_simulate(ns: argparse.Namespace) -> int:
     tp = args.tensor_parallel_size
     link = ns.link_bandwidth_gbs * 1e9 if ns.link_bandwidth_gbs is not None else None
     latency = ns.collective_latency_us * 1e-6 if ns.collective_latency_us is not None else None
-    cost = load_cost_model(ns.hardware, mc, tp, link_bandwidth=link, collective_latency_s=latency)
+    fp8_weights, fp8_kv = fp8_flags(args, mc)
+    cost = load_cost_model(ns.hardware, mc, tp, link_bandwidth=link, collective_latency_s=latency,
+                           fp8_weights=fp8_weights, fp8_kv_cache=fp8_kv)
     config = engine_config_for(args, mc, cost.mem_bytes)
     workload = workload_from_args(ns, seed=ns.seed or 0)
     opts = SimOptions(max_concurrency=ns.max_concurrency, integrity_every=ns.integrity_every,
@@ -146,7 +161,7 @@ def register(sub) -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="named scenario: defaults for every flag not given")
     p.add_argument("--model-config", default=None, help="preset name, config.json, or model directory")
-    p.add_argument("--hardware", default="h200", help="h200, a hardware JSON, or a profile JSON")
+    p.add_argument("--hardware", default="h200", help="h200, h100, a hardware JSON, or a profile JSON")
     p.add_argument("--link-bandwidth-gbs", type=float, default=None,
                    help="tensor parallelism: GPU-to-GPU all-reduce bus bandwidth in GB/s (default: the hardware's, "
                         "360 for the H200's NVLink)")

@@ -58,11 +58,20 @@ class HardwareSpec:
     # "collective_latency_s": ...}) or `simulate --link-bandwidth-gbs / --collective-latency-us`.
     link_bandwidth: float = 360e9
     collective_latency_s: float = 15e-6
+    # dense FP8 FLOP/s of the tensor cores (quantization="fp8" projections); 0: twice matmul_flops, the ratio of
+    # Hopper's FP8 and bf16 dense rates in NVIDIA's datasheets (1979 / 989 TFLOP/s on an H100 SXM)
+    fp8_matmul_flops: float = 0.0
+
+    @property
+    def fp8_flops(self) -> float:
+        return self.fp8_matmul_flops or 2.0 * self.matmul_flops
 
 
 # Measured on the H200 machines (docs/benchmarks.md): ~700 TFLOP/s bf16 matmul, ~4.27 TB/s copy, 141 GB.
 # NVLink figures: published (see HardwareSpec.link_bandwidth), not measured here.
-HARDWARE = {"h200": HardwareSpec("h200", 700e12, 4.27e12, 141e9, link_bandwidth=360e9, collective_latency_s=15e-6)}
+# H100: ~798 TFLOP/s bf16 and ~3.0 TB/s copy measured on this workplace's H100 machines (device KINDS.md), 80 GB.
+HARDWARE = {"h200": HardwareSpec("h200", 700e12, 4.27e12, 141e9, link_bandwidth=360e9, collective_latency_s=15e-6),
+            "h100": HardwareSpec("h100", 700e12, 3.0e12, 80e9, link_bandwidth=360e9, collective_latency_s=15e-6)}
 
 
 @dataclass(frozen=True)
@@ -146,15 +155,18 @@ class ModelShape:
     lm_head_params: int
     embed_params: int
     attn_flops_per_pair: int  # QK^T and PV, all layers and heads
-    kv_bytes_per_token: int  # K and V of all layers, bf16
+    kv_bytes_per_token: int  # K and V of all layers, in the cache's dtype (bf16, or FP8: one byte)
     tensor_parallel_size: int = 1
     hidden_size: int = 0
     num_layers: int = 0
     padded_vocab: int = 0  # vocab rows over all ranks: ceil(vocab / N) x N
+    linear_bytes_per_param: int = BF16_BYTES  # 1 with FP8 projections (embeddings and lm_head stay bf16)
 
     @classmethod
-    def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1) -> "ModelShape":
-        """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks."""
+    def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1, fp8_weights: bool = False,
+           fp8_kv_cache: bool = False) -> "ModelShape":
+        """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks. ``fp8_weights``:
+        the projections in FP8 (quantization="fp8" or an FP8 checkpoint); ``fp8_kv_cache``: kv_cache_dtype="fp8"."""
         tp = tensor_parallel_size
         check_tensor_parallel(mc, tp)
         h, q, kv, d = mc.hidden_size, mc.num_attention_heads // tp, mc.num_key_value_heads, mc.head_dim
@@ -167,17 +179,23 @@ class ModelShape:
             lm_head_params=vocab,
             embed_params=0 if mc.tie_word_embeddings else vocab,
             attn_flops_per_pair=4 * mc.num_hidden_layers * q * d,
-            kv_bytes_per_token=kv_bytes_per_token(mc, BF16_BYTES, tp),
+            kv_bytes_per_token=kv_bytes_per_token(mc, 1 if fp8_kv_cache else BF16_BYTES, tp),
             tensor_parallel_size=tp,
             hidden_size=h,
             num_layers=mc.num_hidden_layers,
             padded_vocab=rows * tp,
+            linear_bytes_per_param=1 if fp8_weights else BF16_BYTES,
         )
 
     @property
+    def fp8_weights(self) -> bool:
+        return self.linear_bytes_per_param == 1
+
+    @property
     def weight_bytes(self) -> int:
-        """bf16 weights (of one rank under tensor parallelism)."""
-        return BF16_BYTES * (self.linear_params + self.lm_head_params + self.embed_params)
+        """The weights (of one rank under tensor parallelism): projections in bf16 or FP8, embeddings and lm_head in
+        bf16 (the FP8 scales, one float32 per output row or 128 x 128 block, are left out: under 0.5%)."""
+        return self.linear_bytes_per_param * self.linear_params + BF16_BYTES * (self.lm_head_params + self.embed_params)
 
     @property
     def num_all_reduces(self) -> int:
@@ -206,12 +224,14 @@ class RooflineCostModel:
     `busy_s` and `comm_s` add up every step priced (the simulator prices each step once), so
     comm_s / busy_s is the share of the virtual time spent in communication."""
 
-    def __init__(self, model_config: ModelConfig, hw: HardwareSpec, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model_config: ModelConfig, hw: HardwareSpec, tensor_parallel_size: int = 1,
+                 fp8_weights: bool = False, fp8_kv_cache: bool = False) -> None:
         self.hw = hw
-        self.shape = ModelShape.of(model_config, tensor_parallel_size)
+        self.shape = ModelShape.of(model_config, tensor_parallel_size, fp8_weights, fp8_kv_cache)
         self.tensor_parallel_size = tensor_parallel_size
         self.mem_bytes = hw.mem_bytes  # of one GPU (one rank)
-        self.name = f"roofline:{hw.name}" + (f"x{tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+        self.name = (f"roofline:{hw.name}" + (f"x{tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+                     + ("+fp8" if fp8_weights else "") + ("+fp8kv" if fp8_kv_cache else ""))
         self.busy_s = 0.0
         self.comm_s = 0.0
 
@@ -232,9 +252,11 @@ class RooflineCostModel:
         """``overlapped`` (launched while another step runs) changes nothing: the roofline prices
         the device's work, and its per-step overhead stands for the host's."""
         hw, m = self.hw, self.shape
-        lin_flops = 2.0 * m.linear_params * s.num_tokens + 2.0 * m.lm_head_params * s.num_sampled
-        lin_bytes = BF16_BYTES * (m.linear_params + (m.lm_head_params if s.num_sampled else 0))
-        t_lin = max(lin_flops / hw.matmul_flops, lin_bytes / hw.mem_bandwidth)
+        # the projections at the FP8 tensor-core rate with FP8 weights, lm_head in bf16
+        proj_rate = hw.fp8_flops if m.fp8_weights else hw.matmul_flops
+        t_flops = 2.0 * m.linear_params * s.num_tokens / proj_rate + 2.0 * m.lm_head_params * s.num_sampled / hw.matmul_flops
+        lin_bytes = m.linear_bytes_per_param * m.linear_params + (BF16_BYTES * m.lm_head_params if s.num_sampled else 0)
+        t_lin = max(t_flops, lin_bytes / hw.mem_bandwidth)
         attn_flops = float(m.attn_flops_per_pair) * s.attn_pairs
         kv_bytes = float(m.kv_bytes_per_token) * (s.kv_read_tokens + s.num_tokens)  # read all, write new
         t_attn = max(attn_flops / hw.matmul_flops, kv_bytes / hw.mem_bandwidth)
@@ -255,11 +277,14 @@ def transfer_time(m: ModelShape, host_bandwidth: float, mem_bandwidth: float, s:
 
 
 def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_size: int = 1,
-                    link_bandwidth: Optional[float] = None, collective_latency_s: Optional[float] = None):
-    """`h200` (a roofline preset), a hardware JSON ({"matmul_flops", "mem_bandwidth", ...,
-    "link_bandwidth", "collective_latency_s"}), or a profile JSON written by `tallyserve profile`.
-    `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's. ValueError for
-    a tensor_parallel_size the model cannot be split over, or > 1 with a profile."""
+                    link_bandwidth: Optional[float] = None, collective_latency_s: Optional[float] = None,
+                    fp8_weights: bool = False, fp8_kv_cache: bool = False):
+    """`h200` / `h100` (roofline presets), a hardware JSON ({"matmul_flops", "mem_bandwidth", ...,
+    "link_bandwidth", "collective_latency_s", "fp8_matmul_flops"}), or a profile JSON written by `tallyserve
+    profile`. `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's; ``fp8_weights`` /
+    ``fp8_kv_cache`` price FP8 projections (bytes and tensor-core rate) and an FP8 KV cache (a profile was measured
+    with whatever the engine ran). ValueError for a tensor_parallel_size the model cannot be split over, or > 1
+    with a profile."""
     check_tensor_parallel(model_config, tensor_parallel_size)
     if hardware in HARDWARE:
         hw, source = HARDWARE[hardware], hardware
@@ -292,4 +317,4 @@ def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_si
     if not (hw.collective_latency_s >= 0 and math.isfinite(hw.collective_latency_s)):
         raise ValueError(f"{source}: collective_latency_s must be a finite number >= 0, "
                          f"got {hw.collective_latency_s!r}")
-    return RooflineCostModel(model_config, hw, tensor_parallel_size)
+    return RooflineCostModel(model_config, hw, tensor_parallel_size, fp8_weights, fp8_kv_cache)

@@ -173,3 +173,37 @@ def test_prefill_attention_is_priced_by_the_step_own_pairs():
             assert plain.step_time(s) > want * 1.05, rows
     with pytest.raises(ValueError, match="prefill_pair_time_s"):
         ProfileCostModel(_grid_profile(f, prefill_pair_time_s=-1.0))
+
+
+def test_fp8_prices_half_the_projection_bytes_twice_the_rate_and_half_the_kv():
+    mc = load_model_config("llama-3-8b")
+    bf16, fp8 = ModelShape.of(mc), ModelShape.of(mc, fp8_weights=True, fp8_kv_cache=True)
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert fp8.weight_bytes == bf16.linear_params + 2 * (bf16.lm_head_params + bf16.embed_params)
+    hw = HARDWARE["h100"]
+    base, quant = RooflineCostModel(mc, hw), RooflineCostModel(mc, hw, fp8_weights=True, fp8_kv_cache=True)
+    assert quant.name == "roofline:h100+fp8+fp8kv"
+    overhead = hw.step_overhead_s + hw.per_request_overhead_s
+    # one decode token: the bytes of the FP8 projections and the bf16 lm_head
+    decode = quant.step_time(_shape(1, 1, 0)) - overhead
+    assert decode == pytest.approx((bf16.linear_params + 2 * bf16.lm_head_params) / hw.mem_bandwidth, rel=0.01)
+    assert decode < 0.56 * (base.step_time(_shape(1, 1, 0)) - overhead)
+    # a long prefill: the projections at the FP8 rate (2x bf16 unless the hardware names it), lm_head at bf16
+    prefill = quant.step_time(_shape(4096, 1, 0)) - overhead
+    assert prefill == pytest.approx(2 * fp8.linear_params * 4096 / (2 * hw.matmul_flops)
+                                    + 2 * fp8.lm_head_params / hw.matmul_flops
+                                    + fp8.attn_flops_per_pair * (4096 * 4097 // 2) / hw.matmul_flops, rel=1e-6)
+
+
+def test_simulate_sizes_the_pool_for_fp8(tmp_path):
+    from tallyserve.config import EngineArgs
+    from tallyserve.sim.cli import num_sim_blocks
+
+    mc = load_model_config("llama-3-8b")
+    hw = HARDWARE["h100"]
+    plain = num_sim_blocks(EngineArgs(), mc, hw.mem_bytes)
+    fp8 = num_sim_blocks(EngineArgs(quantization="fp8", kv_cache_dtype="fp8"), mc, hw.mem_bytes)
+    weights = ModelShape.of(mc).weight_bytes
+    saved = weights - ModelShape.of(mc, fp8_weights=True).weight_bytes
+    assert fp8 == int((hw.mem_bytes * 0.9 - weights + saved) // (ModelShape.of(mc).kv_bytes_per_token * 16 // 2))
+    assert fp8 > 2 * plain
