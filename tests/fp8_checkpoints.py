@@ -36,8 +36,29 @@ def _quantize(w: torch.Tensor, scale_full: torch.Tensor) -> torch.Tensor:
     return (w / scale_full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_tensor(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, scale as the format stores it) of a float32 (N, K) weight."""
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def _searched_channel_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per row, the scale ratio x amax / 448 (ratios CLIP_RATIOS, the first on ties) whose e4m3 values reconstruct
+    the row with the least squared error: how quantization="fp8" picks its scales."""
+    amax = w.abs().amax(dim=1)
+    best_scale = best_err = None
+    for r in CLIP_RATIOS:
+        s = (amax * r / E4M3_MAX).clamp(min=1e-12)
+        err = (_quantize(w, s[:, None]).float() * s[:, None] - w).square().sum(dim=1)
+        if best_scale is None:
+            best_scale, best_err = s, err
+        else:
+            better = err < best_err
+            best_scale, best_err = torch.where(better, s, best_scale), torch.where(better, err, best_err)
+    return best_scale[:, None]
+
+
+def quantize_tensor(w: torch.Tensor, fmt: str, block: tuple[int, int],
+                    search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, scale as the format stores it) of a float32 (N, K) weight; ``search``: per-channel scales
+    chosen by ``_searched_channel_scales``."""
     n, k = w.shape
     if fmt.endswith("block"):
         bn, bk = block
@@ -49,7 +70,8 @@ def quantize_tensor(w: torch.Tensor, fmt: str, block: tuple[int, int]) -> tuple[
         full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
         return _quantize(w, full), scale
     if fmt == "ct-channel":
-        scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)  # (N, 1)
+        scale = _searched_channel_scales(w) if search else (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(
+            min=1e-12)  # (N, 1)
         return _quantize(w, scale), scale
     scale = torch.tensor(max(w.abs().max().item() / E4M3_MAX, 1e-12))
     return _quantize(w, scale), (scale if fmt.startswith("hf") else scale.reshape(1))
@@ -80,12 +102,15 @@ def quantization_config(fmt: str, block: tuple[int, int]) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
 
 
-def write_fp8(src: str, out: str, fmt: str, block: tuple[int, int] = (16, 16), shards: int = 1) -> tuple[str, str]:
-    """(FP8 checkpoint directory, its dequantized float32 twin) made from ``src`` (a ``make_tiny_model`` dir)."""
+def write_fp8(src: str, out: str, fmt: str, block: tuple[int, int] = (16, 16), shards: int = 1,
+              search: bool = False) -> tuple[str, str]:
+    """(FP8 checkpoint directory, its dequantized float32 twin) made from ``src`` (a ``make_tiny_model`` dir);
+    ``search``: per-channel scales as quantization="fp8" picks them (ct-channel only)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}")
     src, out = Path(src), Path(out)
-    fp8_dir, ref_dir = out / f"fp8-{fmt}", out / f"ref-{fmt}"
+    tag = fmt + ("-searched" if search else "")
+    fp8_dir, ref_dir = out / f"fp8-{tag}", out / f"ref-{tag}"
     for d in (fp8_dir, ref_dir):
         d.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
@@ -100,7 +125,7 @@ def write_fp8(src: str, out: str, fmt: str, block: tuple[int, int] = (16, 16), s
         if not _is_projection(name):
             fp8_state[name] = ref_state[name] = w
             continue
-        q, scale = quantize_tensor(w.float(), fmt, block)
+        q, scale = quantize_tensor(w.float(), fmt, block, search)
         prefix = name[: -len(".weight")]
         fp8_state[name] = q
         fp8_state[f"{prefix}.{'weight_scale_inv' if fmt == 'hf-block' else 'weight_scale'}"] = scale

@@ -6,7 +6,8 @@ Two cases, by the scheme's ``serialized``:
     to the layer's layout: one float32 per output row ((N,): a per-tensor scale repeated, a (N, 1) per-channel one
     flattened) or one per block; tensor parallelism slices row scales with the rows they scale and block scales by
     whole blocks. ``input_scale`` (a static activation scale) is one number on every rank.
-  * ``quantization="fp8"`` on an unquantized checkpoint: the whole tensor is quantized per output row, then
+  * ``quantization="fp8"`` on an unquantized checkpoint: the whole tensor is quantized per output row (each row's
+    scale the clipping of its absolute maximum that reconstructs it best, ``quantize_weight(search=True)``), then
     sliced, so every rank holds exactly the tensor-parallel size 1 values of its slice.
 Afterwards ``finish`` turns the FP8 projections back into plain weights of the model's dtype on a device that has
 no FP8 products (the CPU), with one log line saying so.
@@ -90,7 +91,8 @@ def load_tensor(layer: nn.Module, module_name: str, leaf: str, f, file: str, qua
                 return [name]
             if quant.serialized:
                 raise ValueError(f"{name} is {dtype} in a checkpoint whose quantization_config says FP8 ({file})")
-            weight, scale = quantize_weight(_read(f, name, None, full, file).to(layer.weight.device), block)
+            weight, scale = quantize_weight(_read(f, name, None, full, file).to(layer.weight.device), block,
+                                            search=block is None)
             if spec is not None:
                 weight = weight.narrow(spec.dim, spec.start, spec.size)
                 if spec.dim == 0:

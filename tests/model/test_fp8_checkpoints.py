@@ -92,10 +92,13 @@ def test_tensor_parallel_2_gives_tensor_parallel_1s_tokens(tiny, fmt):
 
 
 def test_quantization_fp8_rounds_each_output_channel(tiny, caplog):
-    """quantization="fp8" on the float32 checkpoint: each projection rounded to e4m3 with one scale per output row,
-    which is what the compressed-tensors per-channel writer does; a log line says what the CPU did."""
+    """quantization="fp8" on the float32 checkpoint: each projection rounded to e4m3 with one scale per output row
+    (the clipping of the row's maximum that reconstructs it best), as the test's own per-channel writer with the
+    same search does; a log line says what the CPU did."""
     arch, src, out = tiny
-    _, ref_dir = write_fp8(src, out, "ct-channel")
+    _, ref_dir = write_fp8(src, out, "ct-channel", search=True)
+    _, plain_dir = write_fp8(src, out, "ct-channel")
+    assert not all(torch.equal(a, b) for a, b in zip(_weights(ref_dir).values(), _weights(plain_dir).values()))
     with caplog.at_level(logging.INFO, logger="tallyserve.models.fp8_loader"):
         model = load_model(resolve_model(src), dtype=torch.float32, quantization="fp8")
     assert "quantization='fp8' on cpu: weights rounded to FP8 e4m3" in caplog.text
