@@ -20,10 +20,10 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("disagg"), "llama")
 
 
-def _engine(model_dir, role=None, engine_id=None, **kv):
+def _engine(model_dir, role=None, engine_id=None, kv_cache_dtype="auto", **kv):
     cfg = None if role is None else {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id, **kv}
     return LLMEngine(EngineArgs(model=model_dir, block_size=4, num_gpu_blocks_override=64, max_model_len=128,
-                                kv_transfer_config=cfg))
+                                kv_transfer_config=cfg, kv_cache_dtype=kv_cache_dtype))
 
 
 def _drain(engine, until=(), limit=3000):
@@ -197,3 +197,34 @@ def test_tensor_parallel_ranks_pull_their_own_heads(model_dir):
         server.shutdown()
         prod.shutdown()
         cons.shutdown()
+
+
+def test_fp8_cache_moves_a_quarter_of_the_float32_bytes_and_keeps_the_tokens(model_dir):
+    """kv_cache_dtype="fp8" on both sides: the consumer's tokens equal a colocated FP8 engine's, each block moves in
+    a quarter of a float32 block's bytes, and a producer with another cache dtype is refused at the handshake."""
+    prod = _engine(model_dir, "kv_producer", "prod8", kv_cache_dtype="fp8")
+    cons = _engine(model_dir, "kv_consumer", "cons8", kv_cache_dtype="fp8", load_timeout_s=2.0)
+    plain = _engine(model_dir, kv_cache_dtype="fp8")
+    f32 = _engine(model_dir, "kv_consumer", "cons32", load_timeout_s=2.0)
+    try:
+        meta = prod.executor.kv_connector.metadata()
+        assert meta["kv_cache_dtype"] == "float8_e4m3fn"
+        assert meta["block_bytes"] * 4 == f32.executor.kv_connector.metadata()["block_bytes"]
+        with pytest.raises(LookupError, match=r"caches K/V in float8_e4m3fn, this one in float32: prefill and decode "
+                                              r"instances need the same kv_cache_dtype"):
+            f32.executor.kv_connector.add_remote(meta)
+        prod.kv_connector.advertise("127.0.0.1", 9)
+        cons.executor.kv_connector.add_remote(meta)
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(_prompts()[:4]):
+            pre = _prefill(prod, f"p{i}", prompt)
+            cons.add_request(f"d{i}", {"prompt_token_ids": prompt}, greedy, kv_transfer_params=pre.kv_transfer_params)
+            plain.add_request(f"c{i}", {"prompt_token_ids": prompt}, greedy)
+            assert _drain(cons)[f"d{i}"].outputs[0].token_ids == _drain(plain)[f"c{i}"].outputs[0].token_ids
+            _drain(prod)
+        st = cons.scheduler.kv_xfer.stats
+        assert st.loads_finished >= 3 and st.load_failures == 0 and st.bytes_received > 0
+        assert _free_or_cached(prod) and _free_or_cached(cons)
+    finally:
+        for e in (prod, cons, plain, f32):
+            e.shutdown()

@@ -155,3 +155,11 @@ def test_bad_kv_scale_in_a_checkpoint(tmp_path):
     save_file(state, str(file))
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.k_scale: a KV cache scale is one positive"):
         LLM(model=path, kv_cache_dtype="fp8")
+
+
+def test_tensor_parallel_2_with_an_fp8_cache(tiny):
+    """Each gloo rank caches its KV heads in FP8: the same tokens as one process."""
+    _, path, prompts, refs, _ = tiny
+    llm = LLM(model=path, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    assert _run(llm, prompts) == refs
+    _ledger(llm)
