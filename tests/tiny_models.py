@@ -26,6 +26,18 @@ def load_hf_model(model_dir: str) -> torch.nn.Module:
     return model.eval()
 
 
+def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], eos: tuple[int, ...], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, cut after the first EOS (as the engine's output ends)."""
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=list(eos), pad_token_id=eos[0])
+        toks = out[0, len(p):].tolist()
+        refs.append(toks[: toks.index(eos[0]) + 1] if eos[0] in toks else toks)
+    return refs
+
+
 class PagedKV:
     """Drives a tallyserve model through steps with a paged KV cache whose block ids are handed out
     in shuffled order (so a request's blocks are non-contiguous). Each step feeds some requests

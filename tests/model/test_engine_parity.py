@@ -12,7 +12,7 @@ import torch
 
 from tallyserve import LLM, SamplingParams
 from tallyserve.kernels import cpu_kernels
-from tests.tiny_models import load_hf_model, make_tiny_model
+from tests.tiny_models import hf_greedy, load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -36,16 +36,7 @@ def tiny(request, tmp_path_factory):
     hf = load_hf_model(path)
     prompts = _prompts()
     eos = LLM(model=path, num_gpu_blocks_override=64).engine.eos_token_ids
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          eos_token_id=list(eos), pad_token_id=eos[0])
-        toks = out[0, len(p):].tolist()
-        if eos[0] in toks:
-            toks = toks[: toks.index(eos[0]) + 1]
-        refs.append(toks)
-    return path, prompts, refs
+    return path, prompts, hf_greedy(hf, prompts, eos, MAX_TOKENS)
 
 
 def _run(llm: LLM, prompts, max_tokens=MAX_TOKENS, n=1):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tallyserve import LLM, SamplingParams
-from tests.tiny_models import load_hf_model, make_tiny_model
+from tests.tiny_models import hf_greedy, load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
 MAX_TOKENS = 10
@@ -46,15 +46,7 @@ def _round_kv(arch: str, scales: dict[int, tuple[float, float]], monkeypatch) ->
 
 
 def _hf_greedy(path: str, prompts, eos) -> list[list[int]]:
-    hf = load_hf_model(path)
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          eos_token_id=list(eos), pad_token_id=eos[0])
-        toks = out[0, len(p):].tolist()
-        refs.append(toks[: toks.index(eos[0]) + 1] if eos[0] in toks else toks)
-    return refs
+    return hf_greedy(load_hf_model(path), prompts, eos, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
