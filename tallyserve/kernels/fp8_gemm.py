@@ -7,8 +7,8 @@ weight W (N, K) with float32 scales, one per output row or one per (bn, bk) bloc
   * One row (the batch-1 decode step): ``kernels/gemv`` with the weight in FP8: it streams half the bytes of a
     bf16 weight and scales in registers (no activation quantization: the row stays in bf16).
   * Per-row weight scales: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM with row-wise scales), or this module's
-    Triton kernel, per ``channel_backend`` (``TALLYSERVE_FP8_GEMM``: "auto" picks the one measured faster for the
-    shape, "scaled_mm", "triton").
+    Triton kernel where ``CHANNEL_BACKEND`` records that it measured faster for the shape
+    (``benchmarks/kernels.py fp8-gemm``).
   * Block scales: the Triton kernel: for every K tile (one scale block wide) it multiplies the FP8 tiles on the
     tensor cores and adds the product times the activation's group scale and the weight's block scale.
 """
@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _supported: dict[int, bool] = {}
-# (N, K) -> "scaled_mm" | "triton": which per-row-scaled product ran faster at that shape (benchmarks/kernels.py
-# fp8 on an H100, 2026-12); shapes not listed use scaled_mm
+# (N, K) -> "scaled_mm" | "triton": which per-row-scaled product ran faster at that shape
+# (`benchmarks/kernels.py fp8-gemm`); empty until that is measured on an H100, so every shape uses scaled_mm
 CHANNEL_BACKEND: dict[tuple[int, int], str] = {}
 
 
