@@ -41,6 +41,23 @@ class ModelConfig:
     def num_kv_heads(self) -> int:
         return self.num_key_value_heads
 
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The attention window of the layers that have one, as transformers reads the config (None: every layer
+        attends its whole context): Mistral's ``sliding_window``; Qwen2 / Qwen3's with ``use_sliding_window`` and
+        layers from ``max_window_layers`` on; any config's ``layer_types`` naming "sliding_attention"."""
+        cfg = self.hf_config
+        window = cfg.get("sliding_window")
+        if not window:
+            return None
+        types = cfg.get("layer_types")
+        if types is not None:
+            return int(window) if "sliding_attention" in types else None
+        if self.model_type in ("qwen2", "qwen3"):
+            layers = cfg.get("max_window_layers", self.num_hidden_layers)
+            return int(window) if cfg.get("use_sliding_window", False) and layers < self.num_hidden_layers else None
+        return int(window) if self.model_type == "mistral" else None
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []

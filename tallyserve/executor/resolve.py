@@ -47,6 +47,11 @@ def resolve_engine(args: EngineArgs, load_tokenizer: bool = True) -> tuple[Resol
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                          f"max_position_embeddings ({mc.max_position_embeddings})")
     check_tensor_parallel(mc, args.tensor_parallel_size)  # before any process or weight
+    window, longest = mc.sliding_window, args.max_model_len or mc.max_position_embeddings
+    if window is not None and window < longest:
+        raise ValueError(f"{mc.architecture} with sliding_window={window}: sliding-window attention is not "
+                         f"supported yet, and full attention gives other tokens once a sequence is longer than the "
+                         f"window; serve it with max_model_len <= {window} (exact there)")
     quantization = resolve_quantization(mc.hf_config, args.quantization)  # likewise: unsupported schemes fail here
     device = resolve_device(args.device)
     tokenizer_dir = args.tokenizer or model.tokenizer_dir

@@ -294,9 +294,11 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.attn_backend = attn_backend
         self.tp = TensorParallelShapes.create(config, tp_size, tp_rank)
-        window = config.hf_config.get("sliding_window")
-        if config.hf_config.get("use_sliding_window", True) and window and window < config.max_position_embeddings:
-            logger.warning("sliding_window=%s is ignored: every layer attends to its full context", window)
+        window = config.sliding_window
+        if window is not None and window < config.max_position_embeddings:
+            # the engine refuses such a config unless max_model_len <= window (executor/resolve.py)
+            logger.warning("sliding_window=%s: every layer attends to its full context, which equals the windowed "
+                           "model only for sequences up to %s tokens", window, window)
         self.model = LlamaModel(config, attn_backend, self.tp, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
         self.tie_weights()
