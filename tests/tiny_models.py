@@ -13,7 +13,7 @@ import torch
 from tallyserve.attention.metadata import AttentionMetadata
 
 # The builders live in the package (the benchmarks use them too); re-exported here for the tests.
-from tallyserve.bench.tiny_models import ARCHS, _hf_config, _randomize, make_tiny_model  # noqa: E402,F401
+from tallyserve.bench.tiny_models import ARCHS, MOE_ARCHS, _hf_config, _randomize, make_tiny_model  # noqa: E402,F401
 
 
 def load_hf_model(model_dir: str) -> torch.nn.Module:

@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral")  # mixtures of experts: 8 experts of intermediate size 32, top-2
 
 _TINY_SHAPE = dict(
     hidden_size=64,
@@ -46,12 +47,19 @@ def _hf_config(arch: str, vocab_size: int, tie: bool, rope_scaling: Optional[dic
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {list(classes)}, got {arch!r}")
     kwargs = dict(_TINY_SHAPE, vocab_size=vocab_size, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32  # explicit head_dim != hidden / heads, as in real Qwen3
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)
     theta = float(overrides.pop("rope_theta", 10000.0))
     # transformers 5 keeps RoPE settings in one nested dict, `rope_parameters`.
     kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}

@@ -140,6 +140,8 @@ class EngineArgs:
     async_scheduling: Optional[bool] = None
     # Tensor parallelism: one worker process per rank (torch.distributed: NCCL on GPUs, gloo on CPU).
     tensor_parallel_size: int = 1
+    # Mixture of experts under tensor parallelism: whole experts per rank instead of a slice of every expert.
+    enable_expert_parallel: bool = False
     # Several machines: nnodes of them, each running tensor_parallel_size / nnodes ranks; node 0 runs
     # the scheduler and the server, the others only workers. dist_init_addr: HOST:PORT of the rendezvous.
     nnodes: int = 1
@@ -200,7 +202,7 @@ class EngineArgs:
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         for name in ("enable_prefix_caching", "enable_partial_reuse", "enable_chunked_prefill", "enforce_eager",
-                     "disable_cascade_attn"):
+                     "disable_cascade_attn", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_partial_prefill_args(self.max_num_partial_prefills, self.max_long_partial_prefills,

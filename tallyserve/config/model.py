@@ -11,6 +11,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -35,6 +37,13 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: Optional[str] = None  # dtype named by the checkpoint, if any
+    # mixture of experts (Qwen3-MoE, Mixtral): experts per sparse layer, experts per token, one expert's
+    # intermediate size, whether the top-k routing weights are renormalised to sum to 1, the sparse layers
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -56,7 +65,7 @@ class ModelConfig:
         if self.model_type in ("qwen2", "qwen3"):
             layers = cfg.get("max_window_layers", self.num_hidden_layers)
             return int(window) if cfg.get("use_sliding_window", False) and layers < self.num_hidden_layers else None
-        return int(window) if self.model_type == "mistral" else None
+        return int(window) if self.model_type in ("mistral", "mixtral") else None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -85,13 +94,15 @@ class ModelConfig:
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
+        layers = int(cfg["num_hidden_layers"])
+        moe = _moe_fields(model_type, cfg, layers)
         return cls(
             architecture=arch,
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
@@ -101,12 +112,36 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            **moe,
             hf_config=dict(cfg),
         )
+
+
+def _moe_fields(model_type: str, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Qwen3-MoE or Mixtral config (empty for dense models);
+    ValueError for counts that cannot route (top-k outside [1, experts])."""
+    if model_type == "qwen3_moe":
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))  # transformers 5 writes the latter
+        inter = int(cfg.get("moe_intermediate_size", 0))
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if experts > 0 and i not in dense and step > 0 and (i + 1) % step == 0)
+        norm = bool(cfg.get("norm_topk_prob", False))
+    elif model_type == "mixtral":
+        experts, inter = int(cfg.get("num_local_experts", 8)), int(cfg["intermediate_size"])
+        sparse, norm = tuple(range(layers)), True
+    else:
+        return {}
+    top_k = int(cfg.get("num_experts_per_tok", 2))
+    if sparse and not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({experts})")
+    if sparse and inter <= 0:
+        raise ValueError(f"the experts' intermediate size must be positive, got {inter}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, norm_topk_prob=norm,
+                moe_layers=sparse)
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:

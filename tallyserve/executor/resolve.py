@@ -16,6 +16,7 @@ from tallyserve.config.device import resolve_device, resolve_dtype, resolve_kv_c
 from tallyserve.config.model import ModelConfig, check_tensor_parallel
 from tallyserve.config.quantization import Fp8Config, resolve_quantization
 from tallyserve.models.loader import ResolvedModel, resolve_model
+from tallyserve.models.moe import check_expert_parallel
 from tallyserve.tokenizer import load_tokenizer as load_tokenizer_from
 
 
@@ -47,6 +48,9 @@ def resolve_engine(args: EngineArgs, load_tokenizer: bool = True) -> tuple[Resol
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                          f"max_position_embeddings ({mc.max_position_embeddings})")
     check_tensor_parallel(mc, args.tensor_parallel_size)  # before any process or weight
+    if mc.moe_layers:
+        check_expert_parallel(mc.num_experts, args.tensor_parallel_size, args.enable_expert_parallel,
+                              mc.moe_intermediate_size)
     window, longest = mc.sliding_window, args.max_model_len or mc.max_position_embeddings
     if window is not None and window < longest:
         raise ValueError(f"{mc.architecture} with sliding_window={window}: sliding-window attention is not "

@@ -44,7 +44,7 @@ class UniProcExecutor(Executor):
         mc = resolved.model_config
         record_memory_baseline(device)  # what other processes hold on the card is not ours
         model = load_model(resolved, args.load_format, dtype, device, args.seed, get_attn_backend("auto", device),
-                           quantization=args.quantization)
+                           quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel)
         # fused add+RMSNorm, RoPE, SiLU-mul (CUDA; CPU float32); TALLYSERVE_FUSED_KERNELS=0 turns off
         model.enable_fused_kernels()
         apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections

@@ -69,7 +69,8 @@ def _init(spec: WorkerSpec):
     torch.manual_seed(args.seed)
     record_memory_baseline(device)  # what other processes hold on the card is not ours
     model = load_model(resolved, args.load_format, spec.resolved.dtype, device, args.seed, get_attn_backend("auto", device),
-                       tp_rank=spec.rank, tp_size=args.tensor_parallel_size, quantization=args.quantization)
+                       tp_rank=spec.rank, tp_size=args.tensor_parallel_size, quantization=args.quantization,
+                       enable_expert_parallel=args.enable_expert_parallel)
     model.enable_fused_kernels()  # CUDA, or CPU float32 (TALLYSERVE_FUSED_KERNELS=0 turns off)
     apply_matmul_dtype(model, args.dtype, device)  # the CPU's dtype="bfloat16": bf16 projections
     kv_dtype = spec.resolved.kv_cache_dtype

@@ -53,6 +53,8 @@ def layer_weights(model) -> Optional[tuple[bool, list, Optional[list]]]:
 
     def fits(layer) -> bool:
         a, m = layer.self_attn, layer.mlp
+        if not isinstance(m, layers.GatedMLP):  # a mixture of experts runs in Python
+            return False
         weights = (a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight)
         return (all(w is not None and w.dtype == wdtype and w.is_contiguous() for w in weights)
                 and a.qkv_bias is None and not a.qk_norm and a.act_dtype == act and a.o_proj.bias is None

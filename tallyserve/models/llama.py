@@ -1,6 +1,7 @@
-"""Decoder-only Llama-family model over a paged KV cache: Llama, Mistral, Qwen2, Qwen3.
+"""Decoder-only Llama-family model over a paged KV cache: Llama, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral (their sparse layers' MLP is ``models/moe.FusedMoE``).
 
-The four differ only in configuration, read from ``ModelConfig``:
+They differ only in configuration, read from ``ModelConfig``:
   * Qwen2: biases on the q/k/v projections (not on o_proj);
   * Qwen3: per-head RMSNorm of q and k before RoPE, explicit head_dim;
   * Llama: optional bias on all four attention projections (``attention_bias``) and MLP;
@@ -50,6 +51,7 @@ from tallyserve.models.layers import (
 )
 from tallyserve.config.model import ModelConfig, check_tensor_parallel
 from tallyserve.config.quantization import Fp8Config
+from tallyserve.models.moe import FusedMoE
 from tallyserve.quantization.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ def _projection_biases(config: ModelConfig) -> tuple[bool, bool]:
     """(bias on q/k/v, bias on o_proj) as the Hugging Face classes build them."""
     if config.model_type == "qwen2":
         return config.attention_bias, False
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "mixtral"):
         return False, False
     return config.attention_bias, config.attention_bias  # llama, qwen3
 
@@ -203,14 +205,22 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes,
-                 quant: Optional[Fp8Config] = None, prefix: str = "") -> None:
+                 quant: Optional[Fp8Config] = None, layer_index: int = 0, expert_parallel: bool = False) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_index}"
         mlp_bias = bool(config.hf_config.get("mlp_bias", False)) if config.model_type == "llama" else False
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attn_backend, tp, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias,
-                            tp_size=tp.tp_size, tp_rank=tp.tp_rank, quant=quant, prefix=f"{prefix}.mlp")
+        self.mlp: GatedMLP | FusedMoE
+        if layer_index in config.moe_layers:  # Qwen3-MoE's sparse layers, every Mixtral layer
+            self.mlp = FusedMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                config.num_experts_per_tok, config.norm_topk_prob, tp_size=tp.tp_size,
+                                tp_rank=tp.tp_rank, expert_parallel=expert_parallel,
+                                float_weights=config.model_type == "mixtral")
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias,
+                                tp_size=tp.tp_size, tp_rank=tp.tp_rank, quant=quant, prefix=f"{prefix}.mlp")
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -224,12 +234,12 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp: TensorParallelShapes,
-                 quant: Optional[Fp8Config] = None) -> None:
+                 quant: Optional[Fp8Config] = None, expert_parallel: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_size=tp.tp_size, tp_rank=tp.tp_rank)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, tp, quant, f"model.layers.{i}")
+            LlamaDecoderLayer(config, attn_backend, tp, quant, i, expert_parallel)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -288,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
     supports_output_rows = True  # forward(..., out_rows): the last layer for the sampled rows only
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_size: int = 1,
-                 tp_rank: int = 0, quant_config: Optional[Fp8Config] = None) -> None:
+                 tp_rank: int = 0, quant_config: Optional[Fp8Config] = None,
+                 enable_expert_parallel: bool = False) -> None:
         super().__init__()
         self.config = config
         self.quant_config = quant_config
@@ -299,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
             # the engine refuses such a config unless max_model_len <= window (executor/resolve.py)
             logger.warning("sliding_window=%s: every layer attends to its full context, which equals the windowed "
                            "model only for sequences up to %s tokens", window, window)
-        self.model = LlamaModel(config, attn_backend, self.tp, quant_config)
+        self.model = LlamaModel(config, attn_backend, self.tp, quant_config, enable_expert_parallel)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
         self.tie_weights()
 
@@ -330,6 +341,10 @@ class LlamaForCausalLM(nn.Module):
             for pname, spec in (specs() if specs is not None else {}).items():
                 shards[f"{prefix}.{pname}" if prefix else pname] = spec
         return shards
+
+    def checkpoint_name(self, name: str) -> str:
+        """The parameter name a checkpoint tensor loads into: Mixtral's ``block_sparse_moe`` is this model's ``mlp``."""
+        return name.replace(".block_sparse_moe.", ".mlp.") if self.config.model_type == "mixtral" else name
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output projection when the config asks for it.
@@ -379,7 +394,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.mlp.fuse()  # a GatedMLP's gate/up, or each expert's
         self.model.fused = True
         return True
 
@@ -391,13 +406,14 @@ class LlamaForCausalLM(nn.Module):
         model. Call after ``enable_fused_kernels``; a tied lm_head gets its own copy."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            dense = isinstance(mlp, GatedMLP)  # experts stay in the model's dtype
             fused = [attn] if attn.qkv_weight is not None else []
-            fused += [mlp] if mlp.gate_up_weight is not None else []
+            fused += [mlp] if dense and mlp.gate_up_weight is not None else []
             for module in fused:
                 module.fuse(dtype)
-            projs = [attn.o_proj, mlp.down_proj]
+            projs = [attn.o_proj] + ([mlp.down_proj] if dense else [])
             projs += [] if attn.qkv_weight is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-            projs += [] if mlp.gate_up_weight is not None else [mlp.gate_proj, mlp.up_proj]
+            projs += [] if not dense or mlp.gate_up_weight is not None else [mlp.gate_proj, mlp.up_proj]
             for proj in projs:
                 proj.weight.data = proj.weight.to(dtype)
         # its own parameter: a tied lm_head shares the embedding's, which stays in the model's dtype
@@ -422,9 +438,11 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             used += [attn.qkv_weight] if attn.qkv_weight is not None else \
                 [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-            used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
-                [mlp.gate_proj.weight, mlp.up_proj.weight]
-            used += [attn.o_proj.weight, mlp.down_proj.weight]
+            used += [attn.o_proj.weight]
+            if isinstance(mlp, GatedMLP):
+                used += [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
+                    [mlp.gate_proj.weight, mlp.up_proj.weight]
+                used += [mlp.down_proj.weight]
         if kernel not in ("onednn", "sgemm"):
             raise ValueError(f"kernel must be 'onednn' or 'sgemm', got {kernel!r}")
         pack = pack_cpu_weight if kernel == "onednn" else pack_sgemm_weight

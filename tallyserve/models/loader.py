@@ -250,6 +250,18 @@ def _read_shard(f, name: str, param: torch.Tensor, spec: ShardSpec, file: str) -
     return sl[tuple(index)]
 
 
+def _custom_owner(name: str, custom: dict) -> Optional[str]:
+    """The name of the module in ``custom`` that ``name`` lies under, if any."""
+    if not custom:
+        return None
+    parts = name.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in custom:
+            return prefix
+    return None
+
+
 def _load_safetensors(model: nn.Module, files: tuple[str, ...], quant: Optional[Fp8Config]) -> None:
     """Copy checkpoint tensors into the model by name; a split parameter (tensor parallelism)
     reads only this rank's slice; FP8 projections load through ``fp8_loader``."""
@@ -258,32 +270,41 @@ def _load_safetensors(model: nn.Module, files: tuple[str, ...], quant: Optional[
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
     shards = _weight_shards(model)
     fp8 = fp8_loader.fp8_layers(model)
+    # modules that read their own checkpoint tensors (a mixture of experts stacks per-expert tensors)
+    custom = {n: m for n, m in model.named_modules() if hasattr(m, "load_checkpoint_tensor")}
+    rename = getattr(model, "checkpoint_name", lambda n: n)
     tied = model.config.tie_word_embeddings
     loaded, unexpected = set(), []
     with torch.no_grad():
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for ckpt_name in f.keys():
+                    name = rename(ckpt_name)
+                    owner = _custom_owner(name, custom)
+                    if owner is not None:
+                        loaded.update(custom[owner].load_checkpoint_tensor(owner, name[len(owner) + 1:], f, ckpt_name,
+                                                                           file))
+                        continue
                     module_name, _, leaf = name.rpartition(".")
                     if module_name in fp8:
                         loaded.update(fp8_loader.load_tensor(fp8[module_name], module_name, leaf, f, file, quant))
                         continue
                     if leaf in fp8_loader.KV_SCALE_LEAVES:  # an FP8 KV cache's scales (used when the cache is FP8)
-                        fp8_loader.load_kv_scale(model, module_name, leaf, f.get_tensor(name), file)
+                        fp8_loader.load_kv_scale(model, module_name, leaf, f.get_tensor(ckpt_name), file)
                         continue
                     param = params.get(name)
                     if param is None:
                         if not ((name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq")):
                             unexpected.append(name)
                         continue
-                    if fp8_loader.is_fp8_tensor(f, name):
+                    if fp8_loader.is_fp8_tensor(f, ckpt_name):
                         raise ValueError(f"{name} is FP8 in {file}, but the quantization_config leaves it unquantized "
                                          "(it is in ignored_layers / ignore, or the config has no FP8 scheme)")
                     if name in shards:
-                        _copy_shard(param, _read_shard(f, name, param, shards[name], file), shards[name])
+                        _copy_shard(param, _read_shard(f, ckpt_name, param, shards[name], file), shards[name])
                         loaded.add(name)
                         continue
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(ckpt_name)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
                                          f"model shape {tuple(param.shape)} ({file})")
@@ -323,6 +344,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: Optional[str] = None,
+    enable_expert_parallel: bool = False,
 ) -> nn.Module:
     """Build the model on ``device`` in ``dtype`` (eval mode, no grads) and fill its weights.
 
@@ -331,7 +353,8 @@ def load_model(
     any rank's shard); running a sharded model needs ``tallyserve.distributed.init_tensor_parallel``
     with the same size and rank. Bad tp arguments raise ValueError before any weight is read.
 
-    ``quantization="fp8"`` (vLLM's name) quantizes the projections at load; an FP8 checkpoint (its
+    ``enable_expert_parallel`` (vLLM's name): a mixture of experts' experts are placed whole on the ranks instead
+    of each being split. ``quantization="fp8"`` (vLLM's name) quantizes the projections at load; an FP8 checkpoint (its
     ``quantization_config``) loads as FP8 either way (``config/quantization.py`` says which schemes). On a device
     without FP8 products the FP8 projections are dequantized once into ``dtype`` (``fp8_loader.finish``)."""
     from tallyserve.attention.backend import get_attn_backend
@@ -353,6 +376,8 @@ def load_model(
         kwargs = {} if tp_size == 1 else dict(tp_size=tp_size, tp_rank=tp_rank)
         if quant is not None:
             kwargs["quant_config"] = quant
+        if enable_expert_parallel:
+            kwargs["enable_expert_parallel"] = True
         model = cls(resolved.model_config, attn_backend or get_attn_backend("torch"), **kwargs)
     if quant is not None:
         fp8_loader.check_layout(model, quant)
