@@ -17,6 +17,7 @@ from tallyserve.config.args import engine_args_from
 from tallyserve.bench.report import build_result, plot, print_report, write_json
 from tallyserve.config.model import check_tensor_parallel
 from tallyserve.sim.cost_model import ModelShape
+from tallyserve.models.moe import check_expert_parallel
 
 # Named scenarios: defaults for flags the user did not give.
 SCENARIOS = {
@@ -58,8 +59,8 @@ def fp8_flags(args: EngineArgs, mc: ModelConfig) -> tuple[bool, bool]:
 
 
 def sim_shape(args: EngineArgs, mc: ModelConfig) -> ModelShape:
-    """One rank's shape as the engine would run it (``fp8_flags``)."""
-    return ModelShape.of(mc, args.tensor_parallel_size, *fp8_flags(args, mc))
+    """One rank's shape as the engine would run it (``fp8_flags``, expert parallelism)."""
+    return ModelShape.of(mc, args.tensor_parallel_size, *fp8_flags(args, mc), args.enable_expert_parallel)
 
 
 def num_sim_blocks(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> int:
@@ -95,6 +96,9 @@ def engine_config_for(args: EngineArgs, mc: ModelConfig, mem_bytes: float) -> En
     if getattr(args, "speculative_config", None) is not None:
         raise ValueError("simulate does not model speculative decoding (drafts) yet; drop --speculative-config")
     check_tensor_parallel(mc, args.tensor_parallel_size)
+    if mc.moe_layers:
+        check_expert_parallel(mc.num_experts, args.tensor_parallel_size, args.enable_expert_parallel,
+                              mc.moe_intermediate_size)
     if args.tensor_parallel_size > 1 and args.async_scheduling is None:
         # The engine steps synchronously under tensor parallelism (MultiprocExecutor.overlaps_host).
         args = dataclasses.replace(args, async_scheduling=False)
@@ -121,7 +125,7 @@ def _cmd_simulate(ns: argparse.Namespace) -> int:
     latency = ns.collective_latency_us * 1e-6 if ns.collective_latency_us is not None else None
     fp8_weights, fp8_kv = fp8_flags(args, mc)
     cost = load_cost_model(ns.hardware, mc, tp, link_bandwidth=link, collective_latency_s=latency,
-                           fp8_weights=fp8_weights, fp8_kv_cache=fp8_kv)
+                           fp8_weights=fp8_weights, fp8_kv_cache=fp8_kv, expert_parallel=args.enable_expert_parallel)
     config = engine_config_for(args, mc, cost.mem_bytes)
     workload = workload_from_args(ns, seed=ns.seed or 0)
     opts = SimOptions(max_concurrency=ns.max_concurrency, integrity_every=ns.integrity_every,

@@ -161,21 +161,42 @@ class ModelShape:
     num_layers: int = 0
     padded_vocab: int = 0  # vocab rows over all ranks: ceil(vocab / N) x N
     linear_bytes_per_param: int = BF16_BYTES  # 1 with FP8 projections (embeddings and lm_head stay bf16)
+    # mixture of experts (one rank's share): sparse layers, experts held, one expert's gate/up/down params, experts
+    # per token, experts per layer; ``linear_params`` counts every expert held, ``active_params`` what one token
+    # computes on average on this rank (its top_k experts, times the share of experts this rank holds)
+    num_moe_layers: int = 0
+    experts_per_rank: int = 0
+    expert_params: int = 0
+    top_k: int = 0
+    num_experts: int = 0
+    active_params: int = 0
 
     @classmethod
     def of(cls, mc: ModelConfig, tensor_parallel_size: int = 1, fp8_weights: bool = False,
-           fp8_kv_cache: bool = False) -> "ModelShape":
+           fp8_kv_cache: bool = False, expert_parallel: bool = False) -> "ModelShape":
         """ValueError (check_tensor_parallel's) when the model cannot be split over the ranks. ``fp8_weights``:
-        the projections in FP8 (quantization="fp8" or an FP8 checkpoint); ``fp8_kv_cache``: kv_cache_dtype="fp8"."""
+        the projections in FP8 (quantization="fp8" or an FP8 checkpoint); ``fp8_kv_cache``: kv_cache_dtype="fp8";
+        ``expert_parallel``: a mixture of experts' experts placed whole on the ranks (else each split)."""
         tp = tensor_parallel_size
         check_tensor_parallel(mc, tp)
         h, q, kv, d = mc.hidden_size, mc.num_attention_heads // tp, mc.num_key_value_heads, mc.head_dim
         kv = max(kv // tp, 1)  # one replicated KV head per rank when num_kv_heads < N
-        per_layer = h * q * d + 2 * h * kv * d + q * d * h + 3 * h * (mc.intermediate_size // tp)
+        attn = h * q * d + 2 * h * kv * d + q * d * h
+        moe_layers = len(mc.moe_layers)
+        dense = mc.num_hidden_layers * attn + (mc.num_hidden_layers - moe_layers) * 3 * h * (mc.intermediate_size // tp)
+        experts = held = per_expert = 0
+        if moe_layers:
+            experts = mc.num_experts
+            held = experts // tp if expert_parallel else experts
+            per_expert = 3 * h * (mc.moe_intermediate_size if expert_parallel else mc.moe_intermediate_size // tp)
+            dense += moe_layers * h * experts  # the router, replicated
         rows = -(-mc.vocab_size // tp)  # vocab_shard: ceil(vocab / N) rows per rank, zero-padded
         vocab = rows * h
+        active = dense + (moe_layers * mc.num_experts_per_tok * per_expert * held // experts if experts else 0)
         return cls(
-            linear_params=mc.num_hidden_layers * per_layer,
+            linear_params=dense + moe_layers * held * per_expert,
+            num_moe_layers=moe_layers, experts_per_rank=held, expert_params=per_expert,
+            top_k=mc.num_experts_per_tok if experts else 0, num_experts=experts, active_params=active,
             lm_head_params=vocab,
             embed_params=0 if mc.tie_word_embeddings else vocab,
             attn_flops_per_pair=4 * mc.num_hidden_layers * q * d,
@@ -190,6 +211,19 @@ class ModelShape:
     @property
     def fp8_weights(self) -> bool:
         return self.linear_bytes_per_param == 1
+
+    def computed_params(self) -> int:
+        """Projection parameters one token multiplies (on this rank, on average): all of a dense model's."""
+        return self.active_params or self.linear_params
+
+    def read_params(self, num_tokens: int) -> int:
+        """Projection parameters a step of ``num_tokens`` tokens reads: every dense one, and of each sparse layer
+        the experts its tokens reach (with uniform routing, experts_per_rank x (1 - (1 - top_k / E) ^ tokens))."""
+        if not self.num_moe_layers:
+            return self.linear_params
+        experts = self.num_moe_layers * self.experts_per_rank * self.expert_params
+        reached = 1.0 - (1.0 - self.top_k / self.num_experts) ** max(num_tokens, 0)
+        return int(self.linear_params - experts + experts * reached)
 
     @property
     def weight_bytes(self) -> int:
@@ -225,12 +259,13 @@ class RooflineCostModel:
     comm_s / busy_s is the share of the virtual time spent in communication."""
 
     def __init__(self, model_config: ModelConfig, hw: HardwareSpec, tensor_parallel_size: int = 1,
-                 fp8_weights: bool = False, fp8_kv_cache: bool = False) -> None:
+                 fp8_weights: bool = False, fp8_kv_cache: bool = False, expert_parallel: bool = False) -> None:
         self.hw = hw
-        self.shape = ModelShape.of(model_config, tensor_parallel_size, fp8_weights, fp8_kv_cache)
+        self.shape = ModelShape.of(model_config, tensor_parallel_size, fp8_weights, fp8_kv_cache, expert_parallel)
         self.tensor_parallel_size = tensor_parallel_size
         self.mem_bytes = hw.mem_bytes  # of one GPU (one rank)
         self.name = (f"roofline:{hw.name}" + (f"x{tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+                     + ("+ep" if expert_parallel and tensor_parallel_size > 1 else "")
                      + ("+fp8" if fp8_weights else "") + ("+fp8kv" if fp8_kv_cache else ""))
         self.busy_s = 0.0
         self.comm_s = 0.0
@@ -253,9 +288,12 @@ class RooflineCostModel:
         the device's work, and its per-step overhead stands for the host's."""
         hw, m = self.hw, self.shape
         # the projections at the FP8 tensor-core rate with FP8 weights, lm_head in bf16
+        # a mixture of experts computes each token's top-k experts and reads the experts its tokens reach
         proj_rate = hw.fp8_flops if m.fp8_weights else hw.matmul_flops
-        t_flops = 2.0 * m.linear_params * s.num_tokens / proj_rate + 2.0 * m.lm_head_params * s.num_sampled / hw.matmul_flops
-        lin_bytes = m.linear_bytes_per_param * m.linear_params + (BF16_BYTES * m.lm_head_params if s.num_sampled else 0)
+        t_flops = (2.0 * m.computed_params() * s.num_tokens / proj_rate
+                   + 2.0 * m.lm_head_params * s.num_sampled / hw.matmul_flops)
+        lin_bytes = (m.linear_bytes_per_param * m.read_params(s.num_tokens)
+                     + (BF16_BYTES * m.lm_head_params if s.num_sampled else 0))
         t_lin = max(t_flops, lin_bytes / hw.mem_bandwidth)
         attn_flops = float(m.attn_flops_per_pair) * s.attn_pairs
         kv_bytes = float(m.kv_bytes_per_token) * (s.kv_read_tokens + s.num_tokens)  # read all, write new
@@ -278,7 +316,7 @@ def transfer_time(m: ModelShape, host_bandwidth: float, mem_bandwidth: float, s:
 
 def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_size: int = 1,
                     link_bandwidth: Optional[float] = None, collective_latency_s: Optional[float] = None,
-                    fp8_weights: bool = False, fp8_kv_cache: bool = False):
+                    fp8_weights: bool = False, fp8_kv_cache: bool = False, expert_parallel: bool = False):
     """`h200` / `h100` (roofline presets), a hardware JSON ({"matmul_flops", "mem_bandwidth", ...,
     "link_bandwidth", "collective_latency_s", "fp8_matmul_flops"}), or a profile JSON written by `tallyserve
     profile`. `link_bandwidth` (bytes/s) and `collective_latency_s` override the hardware's; ``fp8_weights`` /
@@ -317,4 +355,4 @@ def load_cost_model(hardware: str, model_config: ModelConfig, tensor_parallel_si
     if not (hw.collective_latency_s >= 0 and math.isfinite(hw.collective_latency_s)):
         raise ValueError(f"{source}: collective_latency_s must be a finite number >= 0, "
                          f"got {hw.collective_latency_s!r}")
-    return RooflineCostModel(model_config, hw, tensor_parallel_size, fp8_weights, fp8_kv_cache)
+    return RooflineCostModel(model_config, hw, tensor_parallel_size, fp8_weights, fp8_kv_cache, expert_parallel)

@@ -207,3 +207,43 @@ def test_simulate_sizes_the_pool_for_fp8(tmp_path):
     saved = weights - ModelShape.of(mc, fp8_weights=True).weight_bytes
     assert fp8 == int((hw.mem_bytes * 0.9 - weights + saved) // (ModelShape.of(mc).kv_bytes_per_token * 16 // 2))
     assert fp8 > 2 * plain
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9),
+                                               ("qwen3-coder-480b-a35b", 480e9, 35e9)])
+def test_mixture_of_experts_counts_every_expert_stored_and_top_k_computed(name, total, active):
+    """The published sizes: parameters stored, parameters a token computes."""
+    m = ModelShape.of(load_model_config(name))
+    assert m.linear_params + m.lm_head_params + m.embed_params == pytest.approx(total, rel=0.02)
+    assert m.active_params + m.lm_head_params + m.embed_params == pytest.approx(active, rel=0.03)
+
+
+def test_mixture_of_experts_reads_the_experts_its_tokens_reach():
+    mc = load_model_config("qwen3-30b-a3b")
+    m = ModelShape.of(mc)
+    experts = m.num_moe_layers * m.experts_per_rank * m.expert_params
+    dense = m.linear_params - experts
+    assert m.read_params(1) == pytest.approx(dense + experts * 8 / 128, rel=1e-6)  # one token: its 8 experts
+    assert m.read_params(256) == pytest.approx(dense + experts * (1 - (120 / 128) ** 256), rel=1e-6)  # ~all
+    hw = HARDWARE["h100"]
+    cost = RooflineCostModel(mc, hw)
+    overhead = hw.step_overhead_s + hw.per_request_overhead_s
+    decode = cost.step_time(_shape(1, 1, 0)) - overhead
+    assert decode == pytest.approx(2 * (m.read_params(1) + m.lm_head_params) / hw.mem_bandwidth, rel=0.01)
+    # expert parallelism: each rank holds a quarter of the experts whole, and computes a quarter on average
+    ep = ModelShape.of(mc, 4, expert_parallel=True)
+    tp = ModelShape.of(mc, 4)
+    assert ep.experts_per_rank == 32 and tp.experts_per_rank == 128
+    assert ep.linear_params == pytest.approx(tp.linear_params, rel=0.01)
+    assert ep.active_params == pytest.approx(tp.active_params, rel=0.01)
+    assert ep.read_params(1) == pytest.approx(tp.read_params(1), rel=0.01)  # on average the same bytes per rank
+
+
+def test_simulate_refuses_experts_that_do_not_split():
+    from tallyserve.config import EngineArgs
+    from tallyserve.sim.cli import engine_config_for
+
+    mc = load_model_config("mixtral-8x7b")
+    with pytest.raises(ValueError, match=r"^enable_expert_parallel: 8 experts are not divisible by "
+                                         r"tensor_parallel_size=16"):
+        engine_config_for(EngineArgs(tensor_parallel_size=16, enable_expert_parallel=True), mc, 141e9)
