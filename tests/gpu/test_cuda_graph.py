@@ -39,9 +39,9 @@ class StaticDecodeBackend(AttentionBackend):
     name = "static_torch"
     supports_cuda_graph = True
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=(1.0, 1.0)):
         if meta.max_query_len > 1:
-            return torch_ref.TorchRefBackend().forward(q, k, v, kv_cache, meta, scale)
+            return torch_ref.TorchRefBackend().forward(q, k, v, kv_cache, meta, scale, kv_scale)
         nb, bs, hkv, dim = kv_cache.shape[1:]
         flat = kv_cache.view(2, nb * bs, hkv, dim)
         slots = meta.slot_mapping
@@ -146,7 +146,7 @@ class StaticCascadeBackend(StaticDecodeBackend):
     def __init__(self):
         self.cascade_calls = 0
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=(1.0, 1.0)):
         if meta.prefix_kv_lens is not None and meta.max_query_len == 1:
             # the Triton backend runs the cascade kernels when the host field is set: so must a cascade graph
             assert meta.common_prefix_len > 0, "a prefix tensor without common_prefix_len: plain kernels would run"
@@ -156,7 +156,7 @@ class StaticCascadeBackend(StaticDecodeBackend):
             shared = (cols < meta.prefix_kv_lens[0])[None, :]
             meta = dataclasses.replace(meta, block_tables=torch.where(shared, meta.block_tables[:1],
                                                                       meta.block_tables))
-        return super().forward(q, k, v, kv_cache, meta, scale)
+        return super().forward(q, k, v, kv_cache, meta, scale, kv_scale)
 
 
 def test_fake_replay_of_cascade_graphs(tiny_dir):
