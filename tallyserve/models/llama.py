@@ -342,6 +342,12 @@ class LlamaForCausalLM(nn.Module):
                 shards[f"{prefix}.{pname}" if prefix else pname] = spec
         return shards
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with mixture-of-experts layers, which read
+        how many rows each expert got on the host (``FusedMoE.forward``)."""
+        return not self.config.moe_layers
+
     def checkpoint_name(self, name: str) -> str:
         """The parameter name a checkpoint tensor loads into: Mixtral's ``block_sparse_moe`` is this model's ``mlp``."""
         return name.replace(".block_sparse_moe.", ".mlp.") if self.config.model_type == "mixtral" else name

@@ -214,6 +214,10 @@ class ModelRunner:
         # row's K/V is written (ForwardBatch.output_rows)
         self.output_rows = device.type == "cpu" and getattr(model, "supports_output_rows", False)
         self.graph_runner = None  # decode steps replay CUDA graphs (CUDA, graph-safe backend, not enforce_eager)
+        if use_cuda_graph and not getattr(model, "cuda_graph_safe", True):
+            logger.info("CUDA graphs are off for this model: its mixture-of-experts layers read their routing on "
+                        "the host")
+            use_cuda_graph = False
         if use_cuda_graph:
             from tallyserve.runner.cuda_graph import make_graph_runner
 
