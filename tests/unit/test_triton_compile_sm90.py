@@ -246,3 +246,18 @@ def test_kv_writers_store_saturated_fp8():
     ptx = _compile(_rotary_write_kv_kernel, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16, HALF=64, BLOCK=64,
                                                  HEADS=16, QK_NORM=False, PDL=False), ptrs=FP8_CACHE)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+@pytest.mark.parametrize("block_m,by_token,mul_weight", [(16, True, False), (64, False, True)])
+def test_fused_moe_gemm_compiles(block_m, by_token, mul_weight):
+    """The grouped expert GEMM multiplies bf16 tiles on the tensor cores, reads the routing weights only in the down
+    product, and stores bfloat16."""
+    from tallyserve.kernels.fused_moe import _moe_gemm_kernel
+
+    ptx = _compile(_moe_gemm_kernel, dict(TOP_K=8, A_BY_TOKEN=by_token, MUL_WEIGHT=mul_weight, BLOCK_M=block_m,
+                                          BLOCK_N=64, BLOCK_K=64, PREC="tf32"),
+                   ptrs={"a_ptr": "bf16", "w_ptr": "bf16", "c_ptr": "bf16", "sorted_ptr": "i64",
+                         "tile_expert_ptr": "i64", "weight_ptr": "fp32"})
+    assert MMA.search(ptx) or WGMMA.search(ptx)
+    assert ("weight_ptr" in _pointers_read(_moe_gemm_kernel, ptx)) == mul_weight
+    assert "st.global.b16" in ptx or "st.global.v4.b32" in ptx or "st.global.v2.b32" in ptx
