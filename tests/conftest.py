@@ -6,3 +6,16 @@ run the whole suite on the GPU."""
 import os
 
 os.environ.setdefault("TALLYSERVE_DEVICE", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Fail the test if any weight is read: for configurations that must be refused before loading."""
+    from tallyserve.models import loader
+
+    def fail(*a, **k):
+        raise AssertionError("weights were read before the configuration was refused")
+
+    monkeypatch.setattr(loader, "_load_safetensors", fail)

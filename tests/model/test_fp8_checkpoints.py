@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tallyserve import LLM, SamplingParams
-from tallyserve.models import loader
+from tallyserve import LLM
 from tallyserve.models.loader import load_model, resolve_model
+from tests.engine_checks import engine, greedy
 from tests.fp8_checkpoints import FORMATS, write_fp8
 from tests.tiny_models import PagedKV, load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
@@ -42,9 +42,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                   temperature=0.0))
-    return [o.outputs[0].token_ids for o in outs]
+    return greedy(llm, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -88,7 +86,8 @@ def test_sharded_fp8_checkpoint(tiny):
 def test_tensor_parallel_2_gives_tensor_parallel_1s_tokens(tiny, fmt):
     arch, src, out = tiny
     fp8_dir, _ = write_fp8(src, out / "tp", fmt)
-    assert _greedy(LLM(model=fp8_dir, tensor_parallel_size=2)) == _greedy(LLM(model=fp8_dir))
+    with engine(model=fp8_dir, tensor_parallel_size=2) as tp2:
+        assert _greedy(tp2) == _greedy(LLM(model=fp8_dir))
 
 
 def test_quantization_fp8_rounds_each_output_channel(tiny, caplog):
@@ -126,14 +125,6 @@ def _edit_config(path: str, **quant) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {**cfg.get("quantization_config", {}), **quant}
     cfg_path.write_text(json.dumps(cfg))
-
-
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("weights were read before the configuration was refused")
-
-    monkeypatch.setattr(loader, "_load_safetensors", fail)
 
 
 @pytest.mark.parametrize("quant,match", [

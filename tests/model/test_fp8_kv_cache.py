@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tallyserve import LLM, SamplingParams
+from tallyserve import LLM
+from tests.engine_checks import assert_ledger, engine, greedy
 from tests.tiny_models import hf_greedy, load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -63,16 +64,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                   temperature=0.0))
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _ledger(llm: LLM) -> dict:
-    s = llm.stats()
-    assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
-    assert s["num_free_blocks"] == s["num_total_blocks"]
-    return s
+    return greedy(llm, prompts, MAX_TOKENS)
 
 
 def test_greedy_tokens_equal_transformers_with_fp8_rounded_kv(tiny):
@@ -81,7 +73,7 @@ def test_greedy_tokens_equal_transformers_with_fp8_rounded_kv(tiny):
     assert _run(llm, prompts) == refs
     runner = llm.engine.executor.runner
     assert all(c.dtype == FP8 for c in runner.kv_caches)
-    assert _ledger(llm)["kv_cache_dtype"] == "float8_e4m3fn"
+    assert assert_ledger(llm)["kv_cache_dtype"] == "float8_e4m3fn"
 
 
 def test_four_times_the_blocks_of_a_float32_cache(tiny):
@@ -104,7 +96,7 @@ def test_block_moving_mechanisms_keep_the_tokens(tiny, mechanism):
     llm = LLM(model=path, kv_cache_dtype="fp8", **kw)
     assert _run(llm, prompts) == refs
     assert _run(llm, prompts[::-1]) == refs[::-1]  # again, reversed: the first pass's blocks are cached now
-    s = _ledger(llm)
+    s = assert_ledger(llm)
     want = {"prefix": "prefix_hit_tokens", "partial": "partial_hit_tokens", "preemption": "preemptions",
             "host_tier": "host_blocks_offloaded"}.get(mechanism)
     if want:
@@ -152,6 +144,6 @@ def test_bad_kv_scale_in_a_checkpoint(tmp_path):
 def test_tensor_parallel_2_with_an_fp8_cache(tiny):
     """Each gloo rank caches its KV heads in FP8: the same tokens as one process."""
     _, path, prompts, refs, _ = tiny
-    llm = LLM(model=path, kv_cache_dtype="fp8", tensor_parallel_size=2)
-    assert _run(llm, prompts) == refs
-    _ledger(llm)
+    with engine(model=path, kv_cache_dtype="fp8", tensor_parallel_size=2) as llm:
+        assert _run(llm, prompts) == refs
+        assert_ledger(llm)

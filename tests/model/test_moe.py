@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tallyserve import LLM, SamplingParams
-from tallyserve.models import loader
+from tallyserve import LLM
 from tallyserve.models.loader import load_model, resolve_model
 from tallyserve.models.moe import FusedMoE
+from tests.engine_checks import assert_ledger, engine, greedy
 from tests.tiny_models import MOE_ARCHS, PagedKV, hf_greedy, load_hf_model, make_tiny_model
 from tests.tiny_tokenizer import make_tiny_tokenizer
 
@@ -42,15 +42,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def _ledger(llm: LLM) -> dict:
-    s = llm.stats()
-    assert s["scheduled_tokens"] == s["forward_tokens"] > 0 and s["ledger_violations"] == 0
-    assert s["num_free_blocks"] == s["num_total_blocks"]
-    return s
+    return greedy(llm, prompts, MAX_TOKENS)
 
 
 def test_logits_match_transformers(tiny):
@@ -75,7 +67,7 @@ def test_greedy_tokens_equal_transformers(tiny, mechanism):
     llm = LLM(model=path, **kw)
     assert _run(llm, prompts) == refs
     assert _run(llm, prompts[::-1]) == refs[::-1]
-    s = _ledger(llm)
+    s = assert_ledger(llm)
     want = {"partial_reuse": "partial_hit_tokens", "preemption": "preemptions"}.get(mechanism)
     if want:
         assert s[want] > 0
@@ -86,9 +78,9 @@ def test_greedy_tokens_equal_transformers(tiny, mechanism):
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_tensor_parallel_2_equals_1(tiny, expert_parallel):
     _, path, prompts, refs = tiny
-    llm = LLM(model=path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
-    assert _run(llm, prompts) == refs
-    _ledger(llm)
+    with engine(model=path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
+        assert _run(llm, prompts) == refs
+        assert_ledger(llm)
 
 
 def test_expert_parallel_ranks_hold_whole_experts(tiny):
@@ -136,14 +128,6 @@ def test_dense_layers_among_sparse_ones(tmp_path):
     llm = LLM(model=path)
     prompts = _prompts()[:3]
     assert _run(llm, prompts) == hf_greedy(load_hf_model(path), prompts, llm.engine.eos_token_ids, MAX_TOKENS)
-
-
-@pytest.fixture
-def no_weight_reads(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("weights were read before the configuration was refused")
-
-    monkeypatch.setattr(loader, "_load_safetensors", fail)
 
 
 def test_top_k_larger_than_the_experts(tmp_path, no_weight_reads):
